@@ -1,0 +1,1 @@
+"""lightfleet plugins: the components that strategies contribute to a run's plan."""

@@ -1,0 +1,1 @@
+"""lightfleet runner: CLI, schema, compatibility, plan, build, records."""

@@ -1,0 +1,143 @@
+"""Compose a run's config with Hydra and check it against the schema.
+
+Experiments live in experiments/ (beside conf/) and are registered as the `experiment` config
+group in Hydra's ConfigStore, so `experiment=glob(*)` sees them (a `hydra.searchpath` entry would
+not: Hydra #1942). Every Hydra/OmegaConf failure becomes a one-line ConfigError naming the key.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner import schema
+from runner.compat import CONF_DIR, EXPERIMENTS_DIR
+from runner.errors import ConfigError, Refusal
+
+
+@dataclass
+class RunSpec:
+    """A composed, validated run: the config and the strategies' checked knobs."""
+
+    cfg: DictConfig  # merged onto the schema; interpolations not yet resolved
+    strategies: Dict[str, Any]  # name -> schema dataclass instance, in selection order
+    trainer: schema.TrainerConfig
+
+
+def _register_configs() -> None:
+    """The schema as the base of conf/config.yaml, and each experiment as a config option."""
+    store = ConfigStore.instance()
+    store.store(name="lightfleet_schema", node=schema.RunConfig)
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        store.store(group="experiment", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def _initialized() -> None:
+    if not GlobalHydra.instance().is_initialized():
+        _register_configs()
+        initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="lightfleet")
+
+
+def compose_config(overrides: Sequence[str]) -> DictConfig:
+    _initialized()
+    try:
+        return compose(config_name="config", overrides=list(overrides))
+    except MissingConfigException as error:
+        raise _missing(error, overrides) from None
+    except (HydraException, OmegaConfBaseException) as error:
+        raise _explain(error) from None
+    except AssertionError:  # OmegaConf's way to refuse a knob under an unselected strategy (None)
+        knobs = [o.split("=")[0] for o in overrides if re.match(r"^strategy\.\w+\.", o)]
+        if not knobs:
+            raise
+        raise _not_selected(knobs[0]) from None
+
+
+def _not_selected(knob: str) -> Exception:
+    from runner.compat import check, load_table
+
+    name = knob.split(".")[1]
+    check([name], load_table())  # an unknown or unavailable name says so first
+    return ConfigError(knob, None, f"strategy {name} is not selected; add it to strategy=[...] to set its knobs")
+
+
+def expand_sweep(overrides: Sequence[str]) -> List[List[str]]:
+    """The jobs of a `-m` sweep: the cartesian product of every swept override (Hydra's syntax:
+    `a=1,2`, `glob(*)`, `range(...)`, `choice(...)`)."""
+    _initialized()
+    try:
+        parsed = OverridesParser.create(GlobalHydra.instance().config_loader()).parse_overrides(list(overrides))
+        (jobs,) = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    except HydraException as error:
+        raise ConfigError("overrides", " ".join(overrides), _first_line(error)) from None
+    return jobs
+
+
+def validate(cfg: DictConfig) -> RunSpec:
+    """Merge the composed config onto the schema; build each selected strategy's dataclass (its
+    __post_init__ checks ranges)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), cfg)
+        strategies = {name: OmegaConf.to_object(node) for name, node in merged.strategy.items() if node is not None}
+        trainer = OmegaConf.to_object(merged.trainer)
+    except OmegaConfBaseException as error:
+        raise _explain(error) from None
+    return RunSpec(merged, strategies, trainer)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Exception:
+    group = re.search(r"Could not (?:load|find) '([\w/]+?)/(\w+)'", str(error))
+    if group is None:
+        return ConfigError("overrides", " ".join(overrides), _first_line(error))
+    group_name, option = group.group(1), group.group(2)
+    if group_name == "strategy":  # known-but-unavailable names are caught by the compat check
+        from runner.compat import check, load_table
+        try:
+            check([option], load_table())
+        except (ConfigError, Refusal) as refusal:
+            return refusal
+    folder = EXPERIMENTS_DIR if group_name == "experiment" else CONF_DIR / group_name
+    options = sorted(p.stem for p in folder.glob("*.yaml"))
+    return ConfigError(group_name, option, f"no such option; choose from: {', '.join(options)}", options)
+
+
+def _explain(error: Exception) -> ConfigError:
+    """One line naming the key, the value and what is allowed, from an OmegaConf/Hydra error."""
+    cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
+    key = getattr(cause, "full_key", None) or ""
+    message = _first_line(cause)
+    if "not in struct" in str(cause) or "Key '" in message and "not" in message:
+        overridden = re.search(r"Could not override '([\w.]+)'", str(error))
+        name = (overridden.group(1) if overridden else key).split(".")
+        if name[0] == "strategy" and len(name) > 2 and key in ("strategy", f"strategy.{name[1]}"):
+            return _not_selected(".".join(name))
+        return ConfigError.unknown_key(key, _schema_keys(key.rpartition(".")[0]))
+    value = re.search(r"Value '([^']*)'", message)
+    return ConfigError(key or "config", value.group(1) if value else "?", message)
+
+
+def _schema_keys(parent: str) -> List[str]:
+    """Field names of the schema node at dotted path `parent` (for "did you mean")."""
+    node: Any = OmegaConf.structured(schema.RunConfig)
+    for part in filter(None, parent.split(".")):
+        if parent.startswith("strategy.") and part in schema.strategy_schemas():
+            node = OmegaConf.structured(schema.strategy_schemas()[part])
+            continue
+        node = node.get(part) if isinstance(node, DictConfig) else None
+        if node is None:
+            return []
+    return list(node.keys()) if isinstance(node, DictConfig) else []

@@ -1,0 +1,29 @@
+"""The one error type a user ever sees from lightfleet: a one-line message, exit status 2."""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable
+
+
+class ConfigError(Exception):
+    """Bad input: names the key, the value (None: the key itself is the problem) and what is
+    allowed, with a "did you mean" when `choices` holds a near match of the value."""
+
+    def __init__(self, key: str, value: Any, allowed: str, choices: Iterable[str] = ()):
+        hint = did_you_mean(str(value), choices)
+        super().__init__(f"{key}{'' if value is None else f'={value!r}'}: {allowed}{hint}")
+        self.key, self.value = key, value
+
+    @classmethod
+    def unknown_key(cls, key: str, known: Iterable[str]) -> "ConfigError":
+        parent, _, leaf = key.rpartition(".")
+        return cls(key, None, f"{parent or 'the config'} has no key {leaf!r}{did_you_mean(leaf, known)}")
+
+
+class Refusal(Exception):
+    """A configuration that is well-formed but must not run (a forbidden strategy combination)."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""

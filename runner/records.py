@@ -1,0 +1,81 @@
+"""The run directory: everything needed to see what ran and to run it again.
+
+    config.yaml   the resolved config (every rank reads it: reproducible from it alone)
+    plan.yaml     the plan (as `dry_run=true` prints it, plus structured form)
+    env.yaml      command, versions of python/torch/lightning/hydra/lightfleet, git commit
+    metrics.csv   Lightning's CSV logger (tensorboard/ where installed)
+    build.yaml    what build resolved (e.g. the modules recompute wrapped)
+    results.yaml  final metrics
+    logs/rankN.log, checkpoints/
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Dict, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from runner.compat import PROJECT_ROOT
+from runner.errors import ConfigError
+from runner.plan import Plan, format_plan
+
+
+def create_run_dir(cfg: DictConfig, plan: Plan, overrides: Sequence[str]) -> Path:
+    """Resolve the config, make its output directory and write config, plan and environment.
+
+    Refuses a directory that already holds a run, so nothing written earlier is overwritten.
+    """
+    run_dir = Path(cfg.paths.output_dir).expanduser().resolve()
+    if (run_dir / "config.yaml").exists():
+        raise ConfigError("paths.output_dir", str(run_dir), "already holds a run; choose another directory")
+    cfg.paths.output_dir = str(run_dir)  # absolute, so every rank and node agrees
+    OmegaConf.resolve(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    write_yaml(run_dir / "plan.yaml", {"printed": format_plan(plan).splitlines(), **plan.to_dict()})
+    write_yaml(run_dir / "env.yaml", environment(overrides))
+    return run_dir
+
+
+def environment(overrides: Sequence[str]) -> Dict[str, Any]:
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "command": ["lightfleet", *overrides],
+        "python": platform.python_version(),
+        "versions": {dist: version(dist) for dist in
+                     ("lightfleet", "torch", "pytorch-lightning", "hydra-core", "omegaconf")},
+        "git_commit": git_commit(),
+        "host": platform.node(),
+        "executable": sys.executable,
+    }
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(PROJECT_ROOT), "status", "--porcelain"], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    return out.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def write_yaml(path: Path, data: Any) -> None:
+    """Write atomically: a reader never sees half a file, and a crash leaves the old one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)

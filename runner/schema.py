@@ -1,0 +1,272 @@
+"""Structured schema of a lightfleet run: every knob, its type, default and meaning.
+
+Plain dataclasses (no torch, no lightning): Hydra composes the YAML in conf/, and
+`runner.config.validate` merges it onto these classes, so a typo, a wrong type or an
+out-of-range value is refused before anything heavy is imported. Each field is documented
+by the string right under it (the source of docs/knobs.md).
+
+A strategy is one dataclass here: Fleet's knob names and defaults, range checks in
+`__post_init__`, and `contribute()`, which says — as plain data — what the strategy adds to
+the plan (see runner/plan.py for the slots).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional
+
+from runner.errors import ConfigError
+from runner.plan import Component, Contribution
+
+
+def require(ok: bool, key: str, value: Any, allowed: str, choices: tuple = ()) -> None:
+    if not ok:
+        raise ConfigError(key, value, allowed, choices)
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@dataclass
+class AmpConfig:
+    """Automatic mixed precision (Fleet: `strategy.amp`, `strategy.amp_configs`)."""
+
+    name: ClassVar[str] = "amp"
+
+    dtype: str = "float16"
+    """Low-precision type: float16 (with loss scaling) or bfloat16 (no loss scaling needed)."""
+    init_loss_scaling: float = 32768.0
+    """Initial loss scale (float16 only)."""
+    use_dynamic_loss_scaling: bool = True
+    """Adapt the scale to overflows (true) or keep init_loss_scaling fixed (false)."""
+    incr_every_n_steps: int = 1000
+    """Grow the scale after this many consecutive steps without overflow."""
+    decr_every_n_nan_or_inf: int = 2
+    """Shrink the scale after this many consecutive overflow steps (each one is skipped)."""
+    incr_ratio: float = 2.0
+    """Factor by which the scale grows (> 1)."""
+    decr_ratio: float = 0.5
+    """Factor by which the scale shrinks (0 < decr_ratio < 1)."""
+    custom_white_list: List[str] = field(default_factory=list)
+    """Module class names or module names (globs allowed) forced to run in `dtype`."""
+    custom_black_list: List[str] = field(default_factory=list)
+    """Module class names or module names (globs allowed) kept in float32."""
+
+    def __post_init__(self) -> None:
+        key = "strategy.amp."
+        require(self.dtype in ("float16", "bfloat16"), key + "dtype", self.dtype,
+                "allowed: float16, bfloat16", ("float16", "bfloat16"))
+        require(self.init_loss_scaling > 0, key + "init_loss_scaling", self.init_loss_scaling, "must be > 0")
+        require(self.incr_every_n_steps >= 1, key + "incr_every_n_steps", self.incr_every_n_steps, "must be >= 1")
+        require(self.decr_every_n_nan_or_inf >= 1, key + "decr_every_n_nan_or_inf",
+                self.decr_every_n_nan_or_inf, "must be >= 1")
+        require(self.incr_ratio > 1, key + "incr_ratio", self.incr_ratio, "must be > 1")
+        require(0 < self.decr_ratio < 1, key + "decr_ratio", self.decr_ratio, "must be in (0, 1)")
+        both = set(self.custom_white_list) & set(self.custom_black_list)
+        require(not both, key + "custom_white_list", sorted(both), "names also in custom_black_list")
+
+    def contribute(self) -> Contribution:
+        knobs = asdict(self)
+        lists = {k: knobs.pop(k) for k in ("custom_white_list", "custom_black_list")}
+        contribution = Contribution(precision=Component("plugins.amp:build_precision", knobs))
+        if lists["custom_white_list"] or lists["custom_black_list"]:
+            contribution.model_transforms.append(
+                ("precision", Component("plugins.amp:apply_precision_lists", {"dtype": self.dtype, **lists})))
+        if self.dtype == "bfloat16":
+            contribution.notes.append("dtype=bfloat16: loss scaling knobs have no effect (bfloat16 needs none)")
+        return contribution
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recomputation (Fleet: `strategy.recompute`, `strategy.recompute_configs`)."""
+
+    name: ClassVar[str] = "recompute"
+
+    checkpoints: List[str] = field(default_factory=list)
+    """Modules whose activations are recomputed in backward: qualified module names, globs
+    (`blocks.*`) or class names. Empty = each block of the model's first repeated block list."""
+    enable_offload: bool = False
+    """Keep the tensors saved at each checkpoint in host memory (torch `save_on_cpu`)."""
+    checkpoint_shape: List[int] = field(default_factory=list)
+    """Accepted for Fleet compatibility; PyTorch checkpointing needs no static shapes."""
+
+    def contribute(self) -> Contribution:
+        contribution = Contribution()
+        contribution.model_transforms.append(
+            ("recompute", Component("plugins.recompute:apply_recompute",
+                                    {"checkpoints": list(self.checkpoints), "enable_offload": self.enable_offload})))
+        if not self.checkpoints:
+            contribution.notes.append(
+                "recompute.checkpoints=[]: every block of the model's first repeated block list "
+                "(ModuleList/Sequential of same-class modules); the run's plan.yaml lists them")
+        if self.checkpoint_shape:
+            contribution.notes.append(
+                "recompute.checkpoint_shape has no effect: PyTorch recomputes with the shapes seen in forward")
+        return contribution
+
+
+@dataclass
+class GradientMergeConfig:
+    """Gradient accumulation (Fleet: `strategy.gradient_merge`, `strategy.gradient_merge_configs`)."""
+
+    name: ClassVar[str] = "gradient_merge"
+
+    k_steps: int = 1
+    """Micro-steps per optimizer update (Lightning `accumulate_grad_batches`)."""
+    avg: bool = True
+    """Average the k micro-step gradients (true) or sum them (false)."""
+
+    def __post_init__(self) -> None:
+        require(self.k_steps >= 1, "strategy.gradient_merge.k_steps", self.k_steps, "must be >= 1")
+
+    def contribute(self) -> Contribution:
+        contribution = Contribution(trainer_args={"accumulate_grad_batches": self.k_steps})
+        if not self.avg:
+            contribution.callbacks.append(Component("plugins.gradient_merge:GradientSum", {"k_steps": self.k_steps}))
+        if self.k_steps == 1:
+            contribution.notes.append("gradient_merge.k_steps=1: every micro-step updates (no merging)")
+        return contribution
+
+
+@dataclass
+class StrategyConfig:
+    """Knobs of the selected strategies; a key is present only when its strategy is selected."""
+
+    amp: Optional[AmpConfig] = None
+    recompute: Optional[RecomputeConfig] = None
+    gradient_merge: Optional[GradientMergeConfig] = None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of `pytorch_lightning.Trainer`. lightfleet owns `strategy`, `precision`,
+    `plugins`, `callbacks`, `logger` and `default_root_dir` (they come from the plan and the
+    config groups), so they are not knobs here."""
+
+    accelerator: str = "auto"
+    """cpu, gpu/cuda or auto (CUDA when available)."""
+    devices: Any = 1
+    """Processes per node (an int), or a device list. On CPU, 2 means 2 real processes (gloo)."""
+    num_nodes: int = 1
+    """Nodes; the same command runs on each with MASTER_ADDR, MASTER_PORT and NODE_RANK set."""
+    max_epochs: Optional[int] = None
+    """Stop after this many epochs (None: Lightning's default, 1000, unless max_steps is set)."""
+    min_epochs: Optional[int] = None
+    """Run at least this many epochs."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps (-1: no limit)."""
+    min_steps: Optional[int] = None
+    """Run at least this many optimizer steps."""
+    max_time: Any = None
+    """Stop after this wall time ("DD:HH:MM:SS" or a dict)."""
+    limit_train_batches: Any = None
+    """Batches per training epoch (int) or fraction of them (float)."""
+    limit_val_batches: Any = None
+    """Batches per validation run (int) or fraction of them (float); 0 disables validation."""
+    limit_test_batches: Any = None
+    """Batches per test run (int) or fraction (float)."""
+    limit_predict_batches: Any = None
+    """Batches per predict run (int) or fraction (float)."""
+    overfit_batches: Any = 0.0
+    """Train and validate on this many (int) or this fraction (float) of training batches."""
+    val_check_interval: Any = None
+    """Validate every this many training batches (int) or fraction of an epoch (float)."""
+    check_val_every_n_epoch: Optional[int] = 1
+    """Validate every n epochs."""
+    num_sanity_val_steps: Optional[int] = None
+    """Validation batches run before training (Lightning default 2)."""
+    log_every_n_steps: Optional[int] = None
+    """Logging interval in steps (Lightning default 50)."""
+    enable_checkpointing: Optional[bool] = None
+    """Save checkpoints (see the callbacks group)."""
+    enable_progress_bar: Optional[bool] = None
+    """Show the progress bar."""
+    enable_model_summary: Optional[bool] = None
+    """Print the model summary at start."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step; prefer strategy=[gradient_merge] (which sets it)."""
+    gradient_clip_val: Optional[float] = None
+    """Clip gradients at this value (None: no clipping)."""
+    gradient_clip_algorithm: Optional[str] = None
+    """norm (default) or value."""
+    deterministic: Any = None
+    """Use deterministic algorithms (true, false or "warn")."""
+    benchmark: Optional[bool] = None
+    """cudnn.benchmark."""
+    inference_mode: bool = True
+    """Use torch.inference_mode in evaluation."""
+    use_distributed_sampler: bool = True
+    """Wrap dataloaders in a DistributedSampler when distributed."""
+    profiler: Optional[str] = None
+    """simple, advanced or pytorch."""
+    detect_anomaly: bool = False
+    """Enable autograd anomaly detection."""
+    barebones: bool = False
+    """Disable all features that may slow the loop (logging, checkpoints, progress bar...)."""
+    sync_batchnorm: bool = False
+    """Synchronise batch-norm statistics across processes."""
+    reload_dataloaders_every_n_epochs: int = 0
+    """Reload dataloaders every n epochs (0: never)."""
+    fast_dev_run: Any = False
+    """Run n (or 1 if true) batches of train/val/test to find bugs."""
+    enable_autolog_hparams: bool = True
+    """Log the module's hyperparameters to the loggers."""
+    model_registry: Optional[str] = None
+    """Lightning model registry name (unused by lightfleet)."""
+
+    def __post_init__(self) -> None:
+        devices_ok = (self.devices in ("auto", -1) or (isinstance(self.devices, int) and self.devices >= 1)
+                      or (isinstance(self.devices, list) and len(self.devices) >= 1))
+        require(devices_ok, "trainer.devices", self.devices, "allowed: a count >= 1, a list of device ids, auto or -1")
+        require(self.num_nodes >= 1, "trainer.num_nodes", self.num_nodes, "must be >= 1")
+        require(self.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches",
+                self.accumulate_grad_batches, "must be >= 1")
+
+
+@dataclass
+class PathsConfig:
+    """Where outputs go. Relative paths are taken from the directory lightfleet runs in."""
+
+    root_dir: str = "."
+    """Base of the default output locations."""
+    output_dir: str = "${paths.root_dir}/outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+    """Run directory of a single run: config, plan, env, metrics, checkpoints, rank logs."""
+    sweep_dir: str = "${paths.root_dir}/multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+    """Parent of a multirun's job directories (one per job: 0, 1, ...)."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run: what to train, on what, how, with which strategies, and where outputs go."""
+
+    model: Dict[str, Any] = field(default_factory=dict)
+    """The LightningModule: `_target_` (import path) and its constructor arguments."""
+    data: Dict[str, Any] = field(default_factory=dict)
+    """The LightningDataModule: `_target_` and its constructor arguments."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Lightning Trainer arguments."""
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    """Knobs of the strategies selected with `strategy=[...]`."""
+    logger: Dict[str, Any] = field(default_factory=dict)
+    """Loggers by name, each a `_target_` spec (null disables one)."""
+    callbacks: Dict[str, Any] = field(default_factory=dict)
+    """Extra callbacks by name, each a `_target_` spec (null disables one)."""
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    """Output locations."""
+    name: str = "default"
+    """Name of the run (experiments set it)."""
+    seed: int = 0
+    """Seed for torch, numpy and python random on every rank."""
+    dry_run: bool = False
+    """Print the plan and exit without training."""
+
+
+def strategy_schemas() -> Dict[str, type]:
+    """Strategy name -> its schema dataclass, read off StrategyConfig's fields."""
+    import typing
+
+    hints = typing.get_type_hints(StrategyConfig)
+    return {name: typing.get_args(hint)[0] for name, hint in hints.items()}

@@ -1,0 +1,40 @@
+"""Shared fixtures: compose configs in-process, and run the real `lightfleet` command."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from runner.config import RunSpec, compose_config, validate
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def spec_for() -> Callable[..., RunSpec]:
+    """Compose and validate a config from overrides, as the CLI does."""
+    return lambda *overrides: validate(compose_config(list(overrides)))
+
+
+@pytest.fixture
+def lightfleet(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """Run the real command in a fresh process, from `tmp_path`, with stdout and stderr apart."""
+
+    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+            env.pop(var, None)
+        return subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+def fast(*extra: str) -> List[str]:
+    """Overrides that keep a real training run to a few seconds."""
+    return ["trainer.max_steps=12", "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false", *extra]

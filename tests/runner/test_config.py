@@ -1,0 +1,63 @@
+"""Schema checks: typos, wrong types and out-of-range values are refused, naming key and value."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from runner.errors import ConfigError, Refusal
+from runner.schema import TrainerConfig
+
+
+def test_defaults_compose(spec_for):
+    spec = spec_for()
+    assert spec.strategies == {}
+    assert spec.trainer.devices == 1
+    assert spec.cfg.model._target_ == "runner.models.MLPClassifier"
+
+
+def test_strategy_knobs_keep_fleet_defaults_and_take_overrides(spec_for):
+    spec = spec_for("strategy=[amp,gradient_merge]", "strategy.amp.init_loss_scaling=128")
+    amp, merge = spec.strategies["amp"], spec.strategies["gradient_merge"]
+    assert (amp.init_loss_scaling, amp.incr_every_n_steps, amp.decr_every_n_nan_or_inf) == (128.0, 1000, 2)
+    assert (amp.incr_ratio, amp.decr_ratio, amp.use_dynamic_loss_scaling) == (2.0, 0.5, True)
+    assert (merge.k_steps, merge.avg) == (1, True)
+    assert list(spec.strategies) == ["amp", "gradient_merge"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["strategy=[amp]", "strategy.amp.init_los_scaling=1"],
+     r"^strategy.amp.init_los_scaling: strategy.amp has no key 'init_los_scaling' \(did you mean init_loss_scaling\?\)$"),
+    (["trainer.max_step=3"], r"trainer.max_step: trainer has no key 'max_step' \(did you mean max_steps"),
+    (["strategy=[amp]", "strategy.amp.incr_ratio=1.0"], r"^strategy.amp.incr_ratio=1.0: must be > 1$"),
+    (["strategy=[amp]", "strategy.amp.decr_ratio=1.5"], r"^strategy.amp.decr_ratio=1.5: must be in \(0, 1\)$"),
+    (["strategy=[amp]", "strategy.amp.dtype=flot16"], r"dtype='flot16': allowed: float16, bfloat16 \(did you mean float16"),
+    (["strategy=[amp]", "strategy.amp.incr_ratio=abc"], r"^strategy.amp.incr_ratio='abc': .*Float"),
+    (["strategy=[gradient_merge]", "strategy.gradient_merge.k_steps=0"], r"k_steps=0: must be >= 1$"),
+    (["strategy=[recompute]", "strategy.recompute.enable_offload=maybe"], r"enable_offload='maybe'"),
+    (["model=mlpp"], r"^model='mlpp': no such option; choose from: gpt, mlp, resnet \(did you mean mlp\?\)$"),
+    (["experiment=quikstart"], r"experiment='quikstart'.*did you mean quickstart"),
+])
+def test_bad_input_is_one_line_naming_key_and_value(spec_for, overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        spec_for(*overrides)
+    assert "\n" not in str(error.value)
+
+
+def test_knob_of_unselected_strategy_is_an_error(spec_for):
+    with pytest.raises(ConfigError, match="strategy.amp"):
+        spec_for("strategy.amp.init_loss_scaling=1")
+
+
+def test_unavailable_strategy_in_config_is_refused_by_name(spec_for):
+    with pytest.raises(Refusal, match="dgc is not available yet"):
+        spec_for("strategy=[dgc]")
+
+
+def test_trainer_schema_covers_lightning_trainer():
+    """Every Trainer argument is a knob except those the plan and config groups own."""
+    import pytorch_lightning as pl
+
+    owned = {"self", "strategy", "precision", "plugins", "callbacks", "logger", "default_root_dir"}
+    lightning = set(inspect.signature(pl.Trainer.__init__).parameters) - owned
+    assert lightning == set(TrainerConfig.__dataclass_fields__)
