@@ -7,6 +7,7 @@ before Hydra is even imported, so a refusal costs a fraction of a second.
 """
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,9 @@ experiments: {experiments}
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    # `_target_`s name the user's own modules, found from where lightfleet runs (as with `python -m`).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if "-h" in args or "--help" in args:
         print(usage())
         return 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
 from hydra import compose, initialize_config_dir
@@ -56,6 +55,9 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
         raise _missing(error, overrides) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise _explain(error) from None
+    except ValueError as error:  # Hydra's word on a malformed override, e.g. `model=null`
+        raise ConfigError("overrides", " ".join(overrides),
+                          f"{_first_line(error)} (to drop a group use ~GROUP)") from None
     except AssertionError:  # OmegaConf's way to refuse a knob under an unselected strategy (None)
         knobs = [o.split("=")[0] for o in overrides if re.match(r"^strategy\.\w+\.", o)]
         if not knobs:

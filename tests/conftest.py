@@ -5,13 +5,25 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable
 
 import pytest
 
 from runner.config import RunSpec, compose_config, validate
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tests train tiny models on a shared 2-core machine: one torch thread each is as fast, and
+    more threads than free cores spin-wait and slow a fit down 20x."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -33,8 +45,3 @@ def lightfleet(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
 
     return run
 
-
-def fast(*extra: str) -> List[str]:
-    """Overrides that keep a real training run to a few seconds."""
-    return ["trainer.max_steps=12", "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=false",
-            "trainer.enable_model_summary=false", *extra]

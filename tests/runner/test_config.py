@@ -61,3 +61,11 @@ def test_trainer_schema_covers_lightning_trainer():
     owned = {"self", "strategy", "precision", "plugins", "callbacks", "logger", "default_root_dir"}
     lightning = set(inspect.signature(pl.Trainer.__init__).parameters) - owned
     assert lightning == set(TrainerConfig.__dataclass_fields__)
+
+
+def test_knob_reference_is_current():
+    """docs/knobs.md is generated from the schema: regenerate with `python -m runner.knobs > docs/knobs.md`."""
+    from runner.compat import PROJECT_ROOT
+    from runner.knobs import render
+
+    assert (PROJECT_ROOT / "docs" / "knobs.md").read_text() == render()

@@ -1,0 +1,31 @@
+"""Gradient merge (Fleet `strategy.gradient_merge`) as Lightning gradient accumulation.
+
+The plan sets `accumulate_grad_batches=k_steps`; Lightning then divides every micro-step's
+loss by k, so the merged gradient is the average of the k micro-batch gradients (Fleet's
+`avg=true`). `GradientSum` turns it into their sum (`avg=false`).
+"""
+from __future__ import annotations
+
+import pytorch_lightning as pl
+import torch
+from typing_extensions import override
+
+
+class GradientSum(pl.Callback):
+    """Multiply the accumulated gradients by k_steps right before each optimizer step.
+
+    Lightning has already divided each micro-step's loss by k_steps (also for a shorter last
+    window at the end of an epoch), so this undoes exactly that division. The hook runs after
+    AMP unscaling and before gradient clipping, so clipping sees the summed gradient.
+    """
+
+    def __init__(self, k_steps: int) -> None:
+        self.k_steps = k_steps
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        grads = [param.grad for group in optimizer.param_groups for param in group["params"]
+                 if param.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, self.k_steps)

@@ -1,0 +1,102 @@
+"""Activation recomputation (Fleet `strategy.recompute`) with torch's checkpoint wrapper.
+
+Each selected submodule is replaced in its parent by a `CheckpointWrapper` (as torchtitan
+does): its forward keeps only its inputs for backward and runs again in backward to rebuild
+the rest. The wrapper's state-dict hooks strip its `_checkpoint_wrapped_module.` prefix, so
+`state_dict()` keys stay as before and old state dicts load unchanged; `named_parameters()`
+of an enclosing module does show the prefix.
+
+With `enable_offload`, each checkpoint's inputs (all it keeps for backward) are packed by
+`torch.autograd.graph.save_on_cpu`, i.e. copied to host memory until backward needs them.
+torch's own `offload_wrapper` is not used because it always pins host memory, and it would
+add a second wrapper prefix.
+
+torch's checkpoint re-runs the forward as is, so modules that track running statistics
+(batch norm) would update them twice per step; the recomputation here restores them after.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.autograd.graph import save_on_cpu
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint
+
+from plugins.modules import match_modules
+from runner.errors import ConfigError
+
+KEY = "strategy.recompute.checkpoints"
+
+
+def apply_recompute(model: nn.Module, device_type: str, checkpoints: list[str], enable_offload: bool) -> list[str]:
+    """Wrap the modules named by `checkpoints` (all repeated blocks when empty) in place.
+
+    `device_type` is where the model trains ("cpu", "cuda"). Returns the sorted qualified
+    names of the wrapped modules. Raises ConfigError when an entry matches no module, or
+    when `checkpoints` is empty and the model has no repeated block list.
+    """
+    names = _select(model, checkpoints) if checkpoints else _repeated_blocks(model)
+    # Pinned host memory lets the device-to-host copies run asynchronously; it needs CUDA and
+    # is a wasted copy when the activations already live on the host.
+    pin_memory = device_type != "cpu" and torch.cuda.is_available()
+    for name in names:
+        parent_name, _, child_name = name.rpartition(".")
+        module = model.get_submodule(name)
+        wrapped = checkpoint_wrapper(module, CheckpointImpl.NO_REENTRANT, checkpoint_fn=_checkpoint,
+                                     offload=enable_offload, pin_memory=pin_memory)
+        model.get_submodule(parent_name).register_module(child_name, wrapped)
+    return names
+
+
+def _checkpoint(module: nn.Module, *args, offload: bool, pin_memory: bool, **kwargs):
+    # The checkpoint saves its inputs under the saved-tensor hooks active when it is entered
+    # (save_on_cpu here), and everything computed inside under its own hooks (recomputed).
+    with save_on_cpu(pin_memory=pin_memory) if offload else contextlib.nullcontext():
+        return checkpoint(module, *args, use_reentrant=False,
+                          context_fn=functools.partial(_keep_running_stats, module), **kwargs)
+
+
+def _keep_running_stats(module: nn.Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """checkpoint's context_fn: nothing around the forward, `_restore_running_stats` around the recomputation."""
+    return contextlib.nullcontext(), _restore_running_stats(module)
+
+
+@contextlib.contextmanager
+def _restore_running_stats(module: nn.Module) -> Iterator[None]:
+    # The recomputed forward runs in training mode, so batch norm normalises with the batch's
+    # statistics (outputs match the forward) but would also fold them into its running
+    # statistics a second time. Save them before and put them back after (also when
+    # checkpoint stops the recomputation early by raising).
+    buffers = [buffer for sub in module.modules() if getattr(sub, "track_running_stats", False)
+               for buffer in sub.buffers(recurse=False)]
+    saved = [buffer.clone() for buffer in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
+
+
+def _select(model: nn.Module, checkpoints: list[str]) -> list[str]:
+    """Names of the modules matched by `checkpoints`, leaving out those inside another match."""
+    selected = match_modules(model, checkpoints, KEY)
+    return sorted(name for name in selected if not any(name.startswith(other + ".") for other in selected))
+
+
+def _repeated_blocks(model: nn.Module) -> list[str]:
+    """Children of the first ModuleList/Sequential holding >= 2 modules of one class."""
+    for name, module in model.named_modules():
+        children = list(module.children())
+        if (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2
+                and len({type(child) for child in children}) == 1):
+            prefix = f"{name}." if name else ""
+            return sorted(prefix + child_name for child_name, _ in module.named_children())
+    top_level = ", ".join(name for name, _ in model.named_children())
+    raise ConfigError(KEY, [], "the model has no repeated block list (a ModuleList or Sequential of >= 2 "
+                               f"modules of one class) to find blocks in; name the modules to recompute "
+                               f"(its top-level modules are {top_level})")

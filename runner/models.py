@@ -1,0 +1,215 @@
+"""Compact built-in LightningModules: a residual MLP, a small ResNet and a GPT-style decoder.
+
+All three share `ClassifierModule`, which owns the loss, the metrics and the optimizer, so
+each model only defines its layers and `forward`. Every model keeps its repeated layers in
+an attribute named `blocks` holding >= 2 children of one class: activation recomputation
+finds the layers to checkpoint there.
+"""
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from typing import Callable, Iterable, Optional, Sequence
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from typing_extensions import override
+
+# A torch optimizer class with its hyper-parameters bound, waiting for the parameters:
+# what Hydra builds from a config node with `_partial_: true`.
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class ClassifierModule(pl.LightningModule):
+    """Cross-entropy training on `(inputs, targets)` batches, targets shaped [B] or [B, T].
+
+    Subclasses build their layers and implement `forward(inputs) -> logits` with the classes
+    on the last dimension.
+    """
+
+    def __init__(self, optimizer: Optional[OptimizerFactory] = None) -> None:
+        super().__init__()
+        # Lightning collects the subclass's constructor arguments too; the optimizer is a
+        # callable, not a hyper-parameter worth saving in a checkpoint.
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+    def _loss_and_accuracy(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = batch
+        logits = self(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        accuracy = (logits.argmax(-1) == targets).float().mean()
+        return loss, accuracy
+
+    @override
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss_and_accuracy(batch)
+        self.log("train_loss", loss, prog_bar=True, on_step=True)
+        return loss
+
+    @override
+    def validation_step(self, batch, batch_idx: int) -> None:
+        loss, accuracy = self._loss_and_accuracy(batch)
+        self.log_dict({"val_loss": loss, "val_acc": accuracy}, sync_dist=True)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer_factory(self.parameters())
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+class ResidualMLPBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.net(x)
+
+
+class MLPClassifier(ClassifierModule):
+    """Residual MLP on flat feature vectors [B, input_dim] -> logits [B, num_classes]."""
+
+    def __init__(
+        self,
+        input_dim: int = 32,
+        hidden_dim: int = 64,
+        num_blocks: int = 3,
+        num_classes: int = 4,
+        optimizer: Optional[OptimizerFactory] = None,
+    ) -> None:
+        super().__init__(optimizer)
+        self.stem = nn.Linear(input_dim, hidden_dim)
+        self.blocks = nn.ModuleList(ResidualMLPBlock(hidden_dim) for _ in range(num_blocks))
+        self.head = nn.Sequential(nn.LayerNorm(hidden_dim), nn.Linear(hidden_dim, num_classes))
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+# --------------------------------------------------------------------------- ResNet
+
+
+def conv_bn(in_channels: int, out_channels: int, kernel_size: int, stride: int = 1) -> nn.Sequential:
+    # Named children keep "bn" in the batch-norm parameter names (weight decay skips them by
+    # name); the conv has no bias because the batch norm right after it supplies one.
+    conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding=kernel_size // 2, bias=False)
+    return nn.Sequential(OrderedDict(conv=conv, bn=nn.BatchNorm2d(out_channels)))
+
+
+class BasicBlock(nn.Module):
+    """conv-bn-relu-conv-bn plus a shortcut (1x1 conv-bn when the shape changes), then relu."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv_bn1 = conv_bn(in_channels, out_channels, 3, stride)
+        self.conv_bn2 = conv_bn(out_channels, out_channels, 3)
+        reshapes = stride != 1 or in_channels != out_channels
+        self.shortcut = conv_bn(in_channels, out_channels, 1, stride) if reshapes else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv_bn2(F.relu(self.conv_bn1(x)))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNetClassifier(ClassifierModule):
+    """Small ResNet on images [B, in_channels, H, W] -> logits [B, num_classes].
+
+    One stage per entry of `widths`; every stage after the first halves the resolution.
+    """
+
+    def __init__(
+        self,
+        in_channels: int = 3,
+        num_classes: int = 4,
+        widths: Sequence[int] = (16, 32, 64),
+        blocks_per_stage: int = 1,
+        optimizer: Optional[OptimizerFactory] = None,
+    ) -> None:
+        super().__init__(optimizer)
+        self.stem = nn.Sequential(conv_bn(in_channels, widths[0], 3), nn.ReLU())
+        blocks, channels = [], widths[0]
+        for stage, width in enumerate(widths):
+            for index in range(blocks_per_stage):
+                stride = 2 if stage > 0 and index == 0 else 1
+                blocks.append(BasicBlock(channels, width, stride))
+                channels = width
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(channels, num_classes)
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.blocks(self.stem(x))
+        return self.head(features.mean(dim=(2, 3)))  # global average pool
+
+
+# --------------------------------------------------------------------------- GPT
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        # [B, T, 3 * D] -> three tensors [B, heads, T, D / heads]
+        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, dim // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, dim))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-LN transformer decoder block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTDecoder(ClassifierModule):
+    """GPT-style decoder: tokens [B, T] (T <= seq_len) -> next-token logits [B, T, vocab_size].
+
+    `val_acc` is next-token accuracy over all positions.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        seq_len: int = 32,
+        d_model: int = 64,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        optimizer: Optional[OptimizerFactory] = None,
+    ) -> None:
+        super().__init__(optimizer)
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(DecoderBlock(d_model, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    @override
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))

@@ -1,0 +1,209 @@
+"""plugins.amp: Fleet loss scaling, float16/bfloat16 training and white/black lists, with real
+Lightning training on CPU (overflows are injected by writing inf into a gradient)."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from plugins.amp import FleetGradScaler, apply_precision_lists, build_precision
+from runner.data import SyntheticClassificationData
+from runner.errors import ConfigError
+from runner.models import MLPClassifier
+
+INF = float("inf")
+
+
+def fleet_scales(init: float, overflow_steps: frozenset[int], num_steps: int, incr_every_n_steps: int,
+                 decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float) -> list[float]:
+    """Reference: the scale after each step by Paddle's update_loss_scaling rule, in plain Python."""
+    scale, good, bad, scales = init, 0, 0, []
+    for step in range(num_steps):
+        if step in overflow_steps:
+            good, bad = 0, bad + 1
+            if bad == decr_every_n_nan_or_inf:
+                scale, bad = max(scale * decr_ratio, 1.0), 0
+        else:
+            good, bad = good + 1, 0
+            if good == incr_every_n_steps:
+                grown = scale * incr_ratio
+                scale, good = (grown if grown != INF else scale), 0
+        scales.append(scale)
+    return scales
+
+
+class Recorder(pl.Callback):
+    """Writes inf into a gradient on `overflow_steps`; records per step the scale after the
+    update, whether the parameters changed, and the loss."""
+
+    def __init__(self, overflow_steps: frozenset[int] = frozenset()) -> None:
+        self.overflow_steps = overflow_steps
+        self.before: list[torch.Tensor] = []
+        self.scales: list[float] = []
+        self.updated: list[bool] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step in self.overflow_steps:
+            next(pl_module.parameters()).grad.view(-1)[0] = INF
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        scaler = trainer.precision_plugin.scaler
+        self.scales.append(scaler.get_scale() if scaler is not None else None)
+        self.updated.append(any(not torch.equal(a, p) for a, p in zip(self.before, pl_module.parameters())))
+        self.losses.append(outputs["loss"].item())
+
+
+def fit(precision, max_steps: int, callbacks=(), model=None, ckpt_path=None) -> pl.Trainer:
+    trainer = pl.Trainer(accelerator="cpu", plugins=[precision], max_steps=max_steps, callbacks=list(callbacks),
+                         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(model or MLPClassifier(), SyntheticClassificationData(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def fp16(init_loss_scaling: float = 2.0, use_dynamic_loss_scaling: bool = True, incr_every_n_steps: int = 3):
+    return build_precision("cpu", "float16", init_loss_scaling, use_dynamic_loss_scaling, incr_every_n_steps,
+                           decr_every_n_nan_or_inf=2, incr_ratio=2.0, decr_ratio=0.5)
+
+
+def test_dynamic_scale_follows_fleet_rule_and_skips_overflow_steps():
+    # Growth after 3 good steps, back-off after 2 consecutive overflows, a lone overflow
+    # that only resets the good-step count, and back-off floored at 1.
+    overflow_steps = frozenset({3, 4, 7, 9, 10, 11, 12})
+    recorder = Recorder(overflow_steps)
+    fit(fp16(init_loss_scaling=2.0), max_steps=14, callbacks=[recorder])
+
+    expected = fleet_scales(2.0, overflow_steps, 14, incr_every_n_steps=3, decr_every_n_nan_or_inf=2,
+                            incr_ratio=2.0, decr_ratio=0.5)
+    assert expected == [2, 2, 4, 4, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1]  # the reference itself, spelled out
+    assert recorder.scales == expected
+    assert recorder.updated == [step not in overflow_steps for step in range(14)]
+
+
+def test_growth_that_would_overflow_keeps_the_scale():
+    scaler = FleetGradScaler("cpu", 2.0 ** 127, True, incr_every_n_steps=1, decr_every_n_nan_or_inf=2,
+                             incr_ratio=2.0, decr_ratio=0.5)
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    scaler.scale((weight * 1e-30).sum()).backward()  # scaled gradient ~1.7e8: finite
+    scaler.step(optimizer)
+    scaler.update()
+
+    assert weight.item() == pytest.approx(-1e-30)  # a good step
+    state = scaler.state_dict()
+    assert (state["scale"], state["_growth_tracker"], state["bad_steps"]) == (2.0 ** 127, 0, 0)
+
+
+def test_static_scale_stays_and_overflow_steps_are_skipped():
+    overflow_steps = frozenset({1, 4})
+    recorder = Recorder(overflow_steps)
+    fit(fp16(init_loss_scaling=8.0, use_dynamic_loss_scaling=False, incr_every_n_steps=1), max_steps=6,
+        callbacks=[recorder])
+
+    assert recorder.scales == [8.0] * 6
+    assert recorder.updated == [step not in overflow_steps for step in range(6)]
+
+
+def test_float16_autocast_is_in_use():
+    model = MLPClassifier()
+    dtypes = []
+    model.blocks[0].net[1].register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    fit(fp16(), max_steps=2, model=model)
+
+    assert dtypes == [torch.float16, torch.float16]
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # float32 master weights
+
+
+def test_bfloat16_trains_without_scaler():
+    pl.seed_everything(0, verbose=False)
+    model = MLPClassifier()
+    dtypes = []
+    model.blocks[0].net[1].register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    recorder = Recorder()
+    trainer = fit(build_precision("cpu", "bfloat16", 2.0, True, 3, 2, 2.0, 0.5), max_steps=30,
+                  callbacks=[recorder], model=model)
+
+    assert trainer.precision_plugin.scaler is None
+    assert set(dtypes) == {torch.bfloat16}
+    first, last = recorder.losses[:5], recorder.losses[-5:]
+    assert sum(last) / 5 < 0.7 * sum(first) / 5, recorder.losses
+
+
+def test_white_and_black_lists_set_module_precision_and_keep_training():
+    model = MLPClassifier()
+    keys = list(model.state_dict())
+    # LayerNorm runs in float32 under autocast and Linear in float16: the lists invert that.
+    changed = apply_precision_lists(model, "cpu", "float16", custom_white_list=["blocks.1.net.0"],
+                                    custom_black_list=["head.*", "Linear"])
+    assert changed == sorted(["blocks.1.net.0", "head.0", "head.1", "stem"]
+                             + [f"blocks.{i}.net.{j}" for i in range(3) for j in (1, 3)])
+    assert list(model.state_dict()) == keys
+
+    dtypes: dict[str, set] = {}
+    for name in ("blocks.1.net.0", "blocks.0.net.0", "head.1", "blocks.0.net.2"):
+        model.get_submodule(name).register_forward_hook(
+            lambda module, args, output, name=name: dtypes.setdefault(name, set()).add(output.dtype))
+    listed = [model.get_submodule(name).weight for name in ("blocks.1.net.0", "head.1")]
+    before = [p.detach().clone() for p in listed]
+    fit(fp16(), max_steps=2, model=model)
+
+    assert dtypes == {"blocks.1.net.0": {torch.float16},   # white-listed LayerNorm
+                      "blocks.0.net.0": {torch.float32},   # LayerNorm, left to autocast
+                      "head.1": {torch.float32},           # black-listed Linear
+                      "blocks.0.net.2": {torch.float32}}   # GELU after a black-listed Linear
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(not torch.equal(b, p) for b, p in zip(before, listed))  # gradients reached them
+
+
+def test_list_forward_hooks_run_once_and_copies_stay_independent():
+    model = MLPClassifier()
+    apply_precision_lists(model, "cpu", "bfloat16", custom_white_list=["head.1"], custom_black_list=[])
+    calls = []
+    model.head[1].register_forward_hook(lambda module, args, output: calls.append(output.dtype))
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.head[1].weight.zero_()
+        clone.head[1].bias.zero_()
+
+    inputs = torch.randn(2, 32)
+    assert model(inputs).dtype == torch.bfloat16
+    assert calls == [torch.bfloat16]
+    assert torch.count_nonzero(clone(inputs)) == 0  # the copy's forward uses the copy's weights
+
+
+def test_unknown_list_entry_is_refused_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"strategy\.amp\.custom_black_list='LayerNrom'.*did you mean LayerNorm"):
+        apply_precision_lists(MLPClassifier(), "cpu", "float16", [], ["LayerNrom"])
+    with pytest.raises(ConfigError, match=r"custom_white_list='blocks\.0\.net\.7'.*did you mean blocks\.0\.net"):
+        apply_precision_lists(MLPClassifier(), "cpu", "float16", ["blocks.0.net.7"], [])
+    with pytest.raises(ConfigError, match="also matched by custom_black_list"):
+        apply_precision_lists(MLPClassifier(), "cpu", "float16", ["LayerNorm"], ["head.0"])
+
+
+def test_scaler_state_survives_a_checkpoint(tmp_path):
+    # 6 steps ending in one overflow: saved with scale 4 (grown at step 2), bad_steps 1.
+    first = Recorder(frozenset({5}))
+    trainer = fit(fp16(init_loss_scaling=2.0), max_steps=6, callbacks=[first])
+    path = tmp_path / "amp.ckpt"
+    trainer.save_checkpoint(path)
+    saved = trainer.precision_plugin.scaler.state_dict()
+    assert (saved["scale"], saved["_growth_tracker"], saved["bad_steps"]) == (4.0, 0, 1)
+
+    restored = fp16(init_loss_scaling=1024.0)
+    restored.load_state_dict(torch.load(path, weights_only=True)["MixedPrecision"])
+    assert restored.scaler.state_dict() == saved
+    copied = pickle.loads(pickle.dumps(trainer.precision_plugin.scaler))
+    copied.scale(torch.ones(()))  # re-creates the counters as tensors
+    assert copied.state_dict() == saved
+
+    # Resuming: the overflow at step 6 is the second in a row only if bad_steps was restored.
+    second = Recorder(frozenset({6}))
+    fit(fp16(init_loss_scaling=1024.0), max_steps=8, callbacks=[second], ckpt_path=str(path))
+    assert second.scales == fleet_scales(2.0, frozenset({5, 6}), 8, 3, 2, 2.0, 0.5)[6:] == [2.0, 2.0]

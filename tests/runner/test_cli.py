@@ -1,0 +1,94 @@
+"""The command's contract for bad input: one line on stderr, exit 2, no traceback, nothing lost,
+and no heavy import before the decision."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "pytorch_lightning", "lightning_fabric")
+
+
+def decide_in_process(*args: str, heavy=HEAVY + ("hydra", "omegaconf")) -> str:
+    """Run main() in a fresh interpreter; return which heavy modules it imported before exiting."""
+    code = ("import sys\nfrom runner.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert e.code == 2, e.code\n"
+            f"print(','.join(m for m in {heavy!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_refused_combination_exits_2_before_hydra_or_torch(lightfleet):
+    done = lightfleet("strategy=[amp,lamb,lars]")
+    assert_one_line_error(done, "lightfleet: refused: lamb, lars are not available yet")
+    assert decide_in_process("strategy=[amp,lars]") == ""
+
+
+def test_unknown_strategy_suggests_a_name(lightfleet):
+    assert_one_line_error(lightfleet("strategy=[amp,recomput]"), "strategy='recomput'", "did you mean recompute")
+
+
+def test_typo_in_a_knob(lightfleet):
+    assert_one_line_error(lightfleet("strategy=[amp]", "strategy.amp.init_los_scaling=1"),
+                          "strategy.amp.init_los_scaling", "did you mean init_loss_scaling")
+    assert decide_in_process("strategy=[amp]", "strategy.amp.init_los_scaling=1", heavy=HEAVY) == ""
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("strategy.amp.incr_ratio=1", "strategy.amp.incr_ratio=1.0: must be > 1"),
+    ("strategy.amp.decr_ratio=1", "strategy.amp.decr_ratio=1.0: must be in (0, 1)"),
+    ("strategy.amp.incr_every_n_steps=many", "strategy.amp.incr_every_n_steps='many'"),
+])
+def test_bad_values(lightfleet, override, fragment):
+    assert_one_line_error(lightfleet("strategy=[amp]", override), fragment)
+
+
+def test_bad_value_in_gradient_merge(lightfleet):
+    assert_one_line_error(lightfleet("strategy=[gradient_merge]", "strategy.gradient_merge.k_steps=0"),
+                          "strategy.gradient_merge.k_steps=0: must be >= 1")
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(lightfleet, tmp_path):
+    done = lightfleet("dry_run=true", "strategy=[amp,recompute,gradient_merge]",
+                      "strategy.gradient_merge.k_steps=4", "trainer.devices=2")
+    assert done.returncode == 0, done.stderr
+    assert "precision: plugins.amp:build_precision(dtype='float16'" in done.stdout
+    assert "accumulate_grad_batches=4  <- gradient_merge" in done.stdout
+    assert "lightning strategy: plugins.ddp:build_ddp()  <- lightfleet" in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_run_is_not_overwritten(lightfleet, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("precious: true\n")
+    assert_one_line_error(lightfleet(f"paths.output_dir={run}"), "paths.output_dir=", "already holds a run")
+    assert (run / "config.yaml").read_text() == "precious: true\n"
+
+
+def test_multi_node_without_rendezvous_address_is_refused_before_spawning(lightfleet):
+    assert_one_line_error(lightfleet("trainer.num_nodes=2"), "trainer.num_nodes=2", "MASTER_ADDR")
+
+
+def test_help_lists_groups_strategies_and_experiments(lightfleet):
+    done = lightfleet("--help")
+    assert done.returncode == 0
+    assert "strategies available: amp, gradient_merge, recompute" in done.stdout
+    assert "quickstart" in done.stdout
+
+
+def test_cfg_prints_the_composed_config(lightfleet):
+    done = lightfleet("--cfg", "experiment=gpt_recompute_gradient_merge")
+    assert done.returncode == 0, done.stderr
+    assert "k_steps: 4" in done.stdout and "GPTDecoder" in done.stdout

@@ -1,0 +1,93 @@
+"""Real runs through the `lightfleet` command: single process, 2 processes over gloo, sweeps of
+multi-process jobs (one directory per job, every rank logging into it), every experiment."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from runner.compat import EXPERIMENTS_DIR, load_table
+
+
+
+
+def fast(*extra: str) -> list:
+    """Overrides that keep a real training run to a few seconds."""
+    return ["trainer.max_steps=12", "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false", *extra]
+
+
+def read(path: Path):
+    return yaml.safe_load(path.read_text())
+
+
+def assert_run_dir(run: Path, ranks: int) -> dict:
+    for name in ("config.yaml", "plan.yaml", "env.yaml", "build.yaml", "results.yaml", "csv/metrics.csv"):
+        assert (run / name).is_file(), name
+    env = read(run / "env.yaml")
+    assert set(env["versions"]) == {"lightfleet", "torch", "pytorch-lightning", "hydra-core", "omegaconf"}
+    assert env["git_commit"] and env["python"]
+    rank_logs = sorted(run.glob("logs/*/attempt_0/*/stderr.log"))
+    assert len(rank_logs) == (ranks if ranks > 1 else 0)
+    return read(run / "results.yaml")
+
+
+def test_single_process_run_learns(lightfleet, tmp_path):
+    done = lightfleet("experiment=quickstart", "paths.output_dir=run", "trainer.enable_progress_bar=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = assert_run_dir(tmp_path / "run", ranks=1)
+    assert results["global_step"] == 60 and results["val_acc"] > 0.6
+    assert read(tmp_path / "run" / "config.yaml")["paths"]["output_dir"] == str(tmp_path / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_two_processes_share_one_run_dir(lightfleet, tmp_path):
+    done = lightfleet("experiment=mlp_ddp_amp", "paths.output_dir=run", *fast())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_run_dir(tmp_path / "run", ranks=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no second directory from a relaunch
+    assert read(tmp_path / "run" / "plan.yaml")["world"]["world_size"] == 2
+
+
+def test_sweep_of_allowed_rows_in_two_processes_skips_refused_jobs_first(lightfleet, tmp_path):
+    """Every allowed row of conf/compat.yaml trains with 2 processes; a forbidden job is reported
+    before the first job trains and skipped; each job gets exactly one directory."""
+    rows = [sorted(row) for row in load_table().allowed]
+    combos = ",".join(f"[{','.join(row)}]" for row in rows) + ",[amp,lars]"
+    done = lightfleet("-m", f"strategy={combos}", "trainer.devices=2", "paths.sweep_dir=sweep",
+                      *fast())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"job {len(rows)} (strategy=[amp,lars]" in done.stderr and "lars is not available yet" in done.stderr
+    sweep = tmp_path / "sweep"
+    assert sorted(p.name for p in sweep.iterdir()) == sorted([str(i) for i in range(len(rows))] + ["multirun.yaml"])
+    for number, row in enumerate(rows):
+        results = assert_run_dir(sweep / str(number), ranks=2)
+        assert results["global_step"] == 12
+        assert sorted(read(sweep / str(number) / "plan.yaml")["strategies"]) == row
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+
+
+def test_refusals_are_reported_before_the_first_job_trains(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "runner", "-m", "strategy=[amp],[dgc],[amp,lamb]",
+                           "paths.sweep_dir=sweep", "trainer.enable_progress_bar=false", "trainer.max_steps=2"],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    lines = done.stdout.splitlines()
+    first_job = next(i for i, line in enumerate(lines) if line.startswith("lightfleet: job 0 of 3"))
+    skipped = [i for i, line in enumerate(lines) if " skipped: " in line]
+    assert len(skipped) == 2 and max(skipped) < first_job
+
+
+def test_every_experiment_launches(lightfleet, tmp_path):
+    names = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+    assert {"quickstart", "mlp_ddp_amp", "resnet_amp_recompute", "gpt_recompute_gradient_merge"} <= set(names)
+    done = lightfleet("-m", "experiment=glob(*)", "paths.sweep_dir=sweep", *fast(), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = read(tmp_path / "sweep" / "multirun.yaml")["ran"]
+    assert sorted(job["overrides"][0] for job in ran.values()) == sorted(f"experiment={n}" for n in names)
+    for number in ran:
+        config = read(tmp_path / "sweep" / str(number) / "config.yaml")
+        assert read(tmp_path / "sweep" / str(number) / "results.yaml")["global_step"] == 12, config["name"]
