@@ -116,15 +116,15 @@ def launch(spec, plan, overrides: Sequence[str]) -> int:
     from runner import launch as launcher
     from runner.records import create_run_dir
 
-    run_dir = create_run_dir(spec.cfg, plan, overrides)
-    print(f"lightfleet: run directory {run_dir}", flush=True)
+    records = create_run_dir(spec.cfg, plan, overrides)
+    print(f"lightfleet: run directory {spec.cfg.paths.output_dir}", flush=True)
     try:
-        launcher.run(run_dir, plan.world)
+        launcher.run(records, plan.world)
     except ChildFailedError as failure:
-        codes = sorted({f.exitcode for f in failure.failures.values()})
-        print(f"lightfleet: run failed: rank(s) {sorted(failure.failures)} exited with {codes}; "
-              f"logs in {run_dir / 'logs'}", file=sys.stderr)
-        return 2 if codes == [2] else 1
+        codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
+        print(f"lightfleet: run failed: exit status by rank {codes}; logs in {records / 'logs'}", file=sys.stderr)
+        # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
+        return 2 if 2 in codes.values() else 1
     return 0
 
 

@@ -9,6 +9,7 @@ Lightning then sees an externally launched job (TorchElastic environment) and st
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import uuid
@@ -44,31 +45,51 @@ def launched_externally() -> bool:
     return any(var in os.environ for var in EXTERNAL_LAUNCH_VARS)
 
 
-def run(run_dir: Path, world: Dict[str, Any]) -> None:
-    """Train the run in `run_dir`: in this process, or in one process per device over all nodes."""
+def records_subdir(world: Dict[str, Any]) -> str:
+    """Where this copy of the command keeps its records inside the run directory.
+
+    One copy runs per node (multi-node) or per rank (under torchrun/SLURM), all with the same
+    output directory, often on a shared filesystem: the first copy writes the run directory
+    itself, the others `nodes/<NODE_RANK>/` or `ranks/<RANK>/`, so no two write one file.
+    """
+    if launched_externally():
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        return f"ranks/{rank}" if rank else ""
+    if world["num_nodes"] > 1 and int(os.environ["NODE_RANK"]):
+        return f"nodes/{os.environ['NODE_RANK']}"
+    return ""
+
+
+def run(records: Path, world: Dict[str, Any]) -> None:
+    """Train from the config in `records`: in this process, or in one process per device."""
     nproc = processes_per_node(world)
     if launched_externally() or (nproc == 1 and world["num_nodes"] == 1):
-        from runner.train import train_run_dir
+        from runner.train import train_from
 
-        train_run_dir(run_dir)
+        train_from(records)
         return
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    # The agent's own warnings about stopping ranks repeat what the CLI's summary line says.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if world["num_nodes"] > 1:  # every node runs the same command; NODE_RANK orders them
-        rendezvous = dict(rdzv_backend="static", rdzv_endpoint=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        # The run id prefixes every rendezvous key, so all nodes must derive the same one.
+        rendezvous = dict(rdzv_backend="static", rdzv_endpoint=endpoint, run_id=f"lightfleet-{endpoint}",
                           rdzv_configs={"rank": int(os.environ["NODE_RANK"])})
     else:  # torchrun --standalone: a local store on a free port
-        rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0")
+        rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex)
     # As torchrun does: ranks sharing a node split its cores instead of each grabbing all of them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(
         min_nodes=world["num_nodes"], max_nodes=world["num_nodes"], nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex, max_restarts=0, monitor_interval=0.1,
+        max_restarts=0, monitor_interval=0.1, log_line_prefix_template="[rank${rank}]:",
         # Every rank's stdout/stderr lands in the run directory; the console shows rank 0 only.
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.ALL,
+        logs_specs=DefaultLogsSpecs(log_dir=str(records / "logs"), redirects=Std.ALL, tee=Std.ALL,
                                     local_ranks_filter={0}),
         **rendezvous,
     )
-    elastic_launch(config, sys.executable)("-m", "runner.train", str(run_dir))
+    elastic_launch(config, sys.executable)("-m", "runner.train", str(records))

@@ -29,18 +29,23 @@ from runner.plan import Plan, format_plan
 def create_run_dir(cfg: DictConfig, plan: Plan, overrides: Sequence[str]) -> Path:
     """Resolve the config, make its output directory and write config, plan and environment.
 
-    Refuses a directory that already holds a run, so nothing written earlier is overwritten.
+    Returns the directory holding them: the run directory, or for a second node or an externally
+    launched rank its subdirectory (runner.launch.records_subdir). Refuses one that already holds
+    a run, so nothing written earlier is overwritten.
     """
+    from runner.launch import records_subdir
+
     run_dir = Path(cfg.paths.output_dir).expanduser().resolve()
-    if (run_dir / "config.yaml").exists():
+    records = run_dir / records_subdir(plan.world)
+    if (records / "config.yaml").exists():
         raise ConfigError("paths.output_dir", str(run_dir), "already holds a run; choose another directory")
     cfg.paths.output_dir = str(run_dir)  # absolute, so every rank and node agrees
     OmegaConf.resolve(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml")
-    write_yaml(run_dir / "plan.yaml", {"printed": format_plan(plan).splitlines(), **plan.to_dict()})
-    write_yaml(run_dir / "env.yaml", environment(overrides))
-    return run_dir
+    records.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, records / "config.yaml")
+    write_yaml(records / "plan.yaml", {"printed": format_plan(plan).splitlines(), **plan.to_dict()})
+    write_yaml(records / "env.yaml", environment(overrides))
+    return records
 
 
 def environment(overrides: Sequence[str]) -> Dict[str, Any]:

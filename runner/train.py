@@ -1,4 +1,4 @@
-"""Train one run from its run directory: the same code path for a single process and for every
+"""Train one run from its saved config: the same code path for a single process and for every
 rank of a multi-process run (`python -m runner.train RUN_DIR`, started by runner/launch.py)."""
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from runner.plan import Plan, make_plan
 from runner.records import write_yaml
 
 
-def train(spec: RunSpec, plan: Plan, run_dir: Path) -> Dict[str, Any]:
+def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
     """Build, fit, and record the final metrics (rank 0 writes build.yaml and results.yaml)."""
     from runner.build import build
 
+    run_dir = Path(spec.cfg.paths.output_dir)
     built = build(spec, plan, run_dir)
     trainer = built.trainer
     if trainer.is_global_zero:
@@ -29,14 +30,14 @@ def train(spec: RunSpec, plan: Plan, run_dir: Path) -> Dict[str, Any]:
     return results
 
 
-def train_run_dir(run_dir: Path) -> Dict[str, Any]:
-    """Train from the config.yaml saved in `run_dir` (every rank derives the same plan from it)."""
-    spec = validate(OmegaConf.load(run_dir / "config.yaml"))
-    return train(spec, make_plan(spec.strategies, spec.trainer), run_dir)
+def train_from(records: Path) -> Dict[str, Any]:
+    """Train from the config.yaml in `records` (every rank derives the same plan from it)."""
+    spec = validate(OmegaConf.load(records / "config.yaml"))
+    return train(spec, make_plan(spec.strategies, spec.trainer))
 
 
 if __name__ == "__main__":
     from runner.cli import exit_on_user_error
 
     with exit_on_user_error():
-        train_run_dir(Path(sys.argv[1]))
+        train_from(Path(sys.argv[1]))

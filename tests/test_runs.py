@@ -2,6 +2,10 @@
 multi-process jobs (one directory per job, every rank logging into it), every experiment."""
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -68,9 +72,6 @@ def test_sweep_of_allowed_rows_in_two_processes_skips_refused_jobs_first(lightfl
 
 
 def test_refusals_are_reported_before_the_first_job_trains(tmp_path):
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-m", "runner", "-m", "strategy=[amp],[dgc],[amp,lamb]",
                            "paths.sweep_dir=sweep", "trainer.enable_progress_bar=false", "trainer.max_steps=2"],
                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
@@ -91,3 +92,48 @@ def test_every_experiment_launches(lightfleet, tmp_path):
     for number in ran:
         config = read(tmp_path / "sweep" / str(number) / "config.yaml")
         assert read(tmp_path / "sweep" / str(number) / "results.yaml")["global_step"] == 12, config["name"]
+
+
+def test_error_only_the_built_model_reveals_stops_every_rank_with_status_2(lightfleet, tmp_path):
+    done = lightfleet("strategy=[recompute]", "strategy.recompute.checkpoints=[blokcs.0]", "trainer.devices=2",
+                      "paths.output_dir=run", *fast())
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "strategy.recompute.checkpoints='blokcs.0': matches no module" in done.stderr
+    assert "did you mean blocks.0" in done.stderr
+    assert (tmp_path / "run" / "config.yaml").is_file()  # what was written stays
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_nodes_rendezvous_and_keep_separate_records(tmp_path):
+    """Two 'nodes' on one machine over loopback: the same command with NODE_RANK 0 and 1."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    command = [sys.executable, "-m", "runner", "trainer.num_nodes=2", "trainer.devices=1", "paths.output_dir=run",
+               *fast()]
+    nodes = [subprocess.Popen(command, cwd=tmp_path, env={**env, "NODE_RANK": str(rank)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    run = tmp_path / "run"
+    assert read(run / "results.yaml")["global_step"] == 12
+    assert read(run / "plan.yaml")["world"] == {"devices": 1, "num_nodes": 2, "world_size": 2}
+    assert (run / "nodes" / "1" / "config.yaml").is_file()
+    assert "MEMBER: 1/2" in outputs[0][1]
+
+
+def test_under_torchrun_lightfleet_starts_no_process(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "runner", "trainer.devices=2", "strategy=[amp]", "paths.output_dir=run", *fast()],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    assert read(run / "results.yaml")["global_step"] == 12
+    assert (run / "ranks" / "1" / "config.yaml").is_file()
+    assert not (run / "logs").exists()  # torchrun's processes, not ours
+    members = sorted(line.split("MEMBER: ")[1] for line in done.stderr.splitlines() if "MEMBER: " in line)
+    assert members == ["1/2", "2/2"]
