@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -21,9 +22,14 @@ from typing import Callable, Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# One torch thread on both sides: threads spin-waiting on a shared machine add noise larger than
+# the overheads measured here, and both sides get the same setting.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def timed(command: List[str], expect: int = 0) -> float:
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=ENV)
     elapsed = time.perf_counter() - start
     if done.returncode != expect:
         sys.exit(f"bench: {' '.join(command)} exited {done.returncode} (expected {expect}):\n{done.stderr[-2000:]}")
@@ -85,7 +91,7 @@ def main() -> None:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
 
     results = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
-               "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores", "benchmarks": {}}
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "benchmarks": {}}
     for name in args.names or list(BENCHMARKS):
         print(f"{name}: running {args.repeats} x 2 ...", flush=True)
         result = BENCHMARKS[name](args.repeats, args.steps)

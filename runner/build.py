@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
@@ -19,12 +18,12 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from pytorch_lightning.utilities import rank_zero_info
 
 from runner.config import RunSpec
 from runner.errors import ConfigError
 from runner.plan import Plan
 
-log = logging.getLogger(__name__)
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
@@ -73,7 +72,7 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     for claim in plan.model_transforms:
         changed = claim.component.load()(model, device_type=device, **claim.component.kwargs)
         resolved["model_transforms"].append({"by": claim.by, "phase": claim.phase, "modules": list(changed)})
-        log.info("%s (%s) applied to: %s", claim.by, claim.phase, ", ".join(changed))
+        rank_zero_info(f"lightfleet: {claim.by} ({claim.phase}) applied to: {', '.join(changed)}")
 
     trainer_args = asdict(spec.trainer)
     trainer_args.update({arg: claim["value"] for arg, claim in plan.trainer_args.items()})
@@ -101,5 +100,5 @@ def loggers(cfg: DictConfig) -> List[Any]:
         except InstantiationException as error:
             if not isinstance(error.__cause__, ModuleNotFoundError):
                 raise
-            log.info("logger.%s skipped: %s", name, error.__cause__)
+            rank_zero_info(f"lightfleet: logger.{name} skipped: {error.__cause__}")
     return built

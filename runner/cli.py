@@ -114,10 +114,11 @@ def launch(spec, plan, overrides: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from runner import launch as launcher
+    from runner.plan import format_plan
     from runner.records import create_run_dir
 
     records = create_run_dir(spec.cfg, plan, overrides)
-    print(f"lightfleet: run directory {spec.cfg.paths.output_dir}", flush=True)
+    print(f"{format_plan(plan)}\nlightfleet: run directory {spec.cfg.paths.output_dir}", flush=True)
     try:
         launcher.run(records, plan.world)
     except ChildFailedError as failure:
