@@ -78,7 +78,7 @@ def test_refusals_are_reported_before_the_first_job_trains(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:]
     lines = done.stdout.splitlines()
     first_job = next(i for i, line in enumerate(lines) if line.startswith("lightfleet: job 0 of 3"))
-    skipped = [i for i, line in enumerate(lines) if " skipped: " in line]
+    skipped = [i for i, line in enumerate(lines) if line.startswith("lightfleet: job") and " skipped: " in line]
     assert len(skipped) == 2 and max(skipped) < first_job
 
 
