@@ -128,26 +128,16 @@ class FleetGradScaler(torch.amp.GradScaler):
         return state
 
 
-def build_precision(
-    device_type: str,
-    dtype: str,
-    init_loss_scaling: float,
-    use_dynamic_loss_scaling: bool,
-    incr_every_n_steps: int,
-    decr_every_n_nan_or_inf: int,
-    incr_ratio: float,
-    decr_ratio: float,
-) -> MixedPrecision:
-    """Lightning precision plugin for `dtype` ("float16" or "bfloat16") on `device_type`.
+def build_precision(device_type: str, dtype: str, **loss_scaling: Any) -> MixedPrecision:
+    """Lightning precision plugin for `dtype` ("float16" or "bfloat16") on `device_type`;
+    `loss_scaling` are FleetGradScaler's knobs (ignored for bfloat16, which needs no scaling).
 
     A plugin instance (unlike `Trainer(precision="16-mixed")`, which Lightning turns into
-    bfloat16 on CPU) runs float16 autocast on CPU as well. bfloat16 ignores the scaling knobs.
+    bfloat16 on CPU) runs float16 autocast on CPU as well.
     """
     if dtype == "bfloat16":
         return MixedPrecision("bf16-mixed", device_type)
-    scaler = FleetGradScaler(device_type, init_loss_scaling, use_dynamic_loss_scaling, incr_every_n_steps,
-                             decr_every_n_nan_or_inf, incr_ratio, decr_ratio)
-    return MixedPrecision("16-mixed", device_type, scaler=scaler)
+    return MixedPrecision("16-mixed", device_type, scaler=FleetGradScaler(device_type, **loss_scaling))
 
 
 def apply_precision_lists(

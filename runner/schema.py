@@ -98,7 +98,7 @@ class RecomputeConfig:
         if not self.checkpoints:
             contribution.notes.append(
                 "recompute.checkpoints=[]: every block of the model's first repeated block list "
-                "(ModuleList/Sequential of same-class modules); the run's plan.yaml lists them")
+                "(ModuleList/Sequential of same-class modules); the run's build.yaml lists them")
         if self.checkpoint_shape:
             contribution.notes.append(
                 "recompute.checkpoint_shape has no effect: PyTorch recomputes with the shapes seen in forward")
