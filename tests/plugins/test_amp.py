@@ -69,7 +69,8 @@ def fit(precision, max_steps: int, callbacks=(), model=None, ckpt_path=None) -> 
 
 
 def fp16(init_loss_scaling: float = 2.0, use_dynamic_loss_scaling: bool = True, incr_every_n_steps: int = 3):
-    return build_precision("cpu", "float16", init_loss_scaling, use_dynamic_loss_scaling, incr_every_n_steps,
+    return build_precision("cpu", "float16", init_loss_scaling=init_loss_scaling,
+                           use_dynamic_loss_scaling=use_dynamic_loss_scaling, incr_every_n_steps=incr_every_n_steps,
                            decr_every_n_nan_or_inf=2, incr_ratio=2.0, decr_ratio=0.5)
 
 
@@ -127,7 +128,7 @@ def test_bfloat16_trains_without_scaler():
     dtypes = []
     model.blocks[0].net[1].register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
     recorder = Recorder()
-    trainer = fit(build_precision("cpu", "bfloat16", 2.0, True, 3, 2, 2.0, 0.5), max_steps=30,
+    trainer = fit(build_precision("cpu", "bfloat16", init_loss_scaling=2.0), max_steps=30,
                   callbacks=[recorder], model=model)
 
     assert trainer.precision_plugin.scaler is None
