@@ -1,9 +1,41 @@
-"""Data parallelism across processes: Lightning's DDPStrategy, with the process-group backend left
-to Lightning, which picks it from the environment (nccl on CUDA, gloo on CPU)."""
+"""Data parallelism across processes: Lightning's DDPStrategy, plus the plan's gradient
+communication hook on every device type.
+
+The process-group backend is left to Lightning, which picks it from the environment (nccl on
+CUDA, gloo on CPU). Lightning registers DDP communication hooks only on CUDA and skips them
+silently elsewhere; lightfleet's hooks (fp16_allreduce, localsgd, dgc, ...) must run on CPU/gloo
+too, so this strategy registers them itself.
+"""
 from __future__ import annotations
 
+from typing import Any, Callable, Optional, Tuple
+
 from pytorch_lightning.strategies import DDPStrategy
+from typing_extensions import override
+
+# Called once the process group exists (hook states may create subgroups): returns (state, hook).
+HookFactory = Callable[[], Tuple[Any, Callable]]
 
 
-def build_ddp() -> DDPStrategy:
-    return DDPStrategy()
+class FleetDDPStrategy(DDPStrategy):
+    """DDPStrategy whose communication hook is registered on CPU as well as CUDA.
+
+    `comm_hook` builds the hook when DDP wraps the model; the state it returns is kept as
+    `comm_hook_state` so callbacks can checkpoint it.
+    """
+
+    def __init__(self, comm_hook: Optional[HookFactory] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._make_comm_hook = comm_hook
+        self.comm_hook_state: Any = None
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if self._make_comm_hook is None:
+            return
+        self.comm_hook_state, hook = self._make_comm_hook()
+        self.model.register_comm_hook(self.comm_hook_state, hook)
+
+
+def build_ddp(comm_hook: Optional[HookFactory] = None) -> FleetDDPStrategy:
+    return FleetDDPStrategy(comm_hook=comm_hook)

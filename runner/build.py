@@ -1,8 +1,9 @@
 """Build: turn a validated config and its plan into a Trainer, a model and a datamodule.
 
 The user's LightningModule and DataModule are instantiated by `_target_`; the plan's model
-transforms are applied to the model in phase order, and its precision plugin, Lightning
-strategy, trainer arguments and callbacks go to the Trainer. The user's code never has to know
+transforms are applied to the model in phase order, its optimizer replacement wraps the model's
+`configure_optimizers`, and its precision plugin, Lightning strategy (with the communication
+hook), trainer arguments and callbacks go to the Trainer. The user's code never has to know
 which strategies are on.
 """
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytorch_lightning as pl
 import torch
@@ -19,6 +21,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from pytorch_lightning.utilities import rank_zero_info
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from runner.config import RunSpec
 from runner.errors import ConfigError
@@ -79,14 +83,47 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     plugins: List[Any] = []
     if plan.precision is not None:
         plugins.append(plan.precision.component.load()(device_type=device, **plan.precision.component.kwargs))
+    if plan.optimizer is not None:
+        replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
+                                          **plan.optimizer.component.kwargs))
     strategy: Any = "auto"
     if plan.lightning_strategy is not None:
-        strategy = plan.lightning_strategy.component.load()(**plan.lightning_strategy.component.kwargs)
+        kwargs = dict(plan.lightning_strategy.component.kwargs)
+        if plan.comm_hook is not None:
+            kwargs["comm_hook"] = partial(plan.comm_hook.component.load(), **plan.comm_hook.component.kwargs)
+        strategy = plan.lightning_strategy.component.load()(**kwargs)
     callbacks = [instantiate_checked(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node]
     callbacks += [claim.component.load()(**claim.component.kwargs) for claim in plan.callbacks]
     trainer = pl.Trainer(**trainer_args, strategy=strategy, plugins=plugins, callbacks=callbacks,
                          logger=loggers(cfg), default_root_dir=str(run_dir))
     return Built(trainer, model, datamodule, resolved)
+
+
+def replace_optimizers(model: pl.LightningModule, replace: Callable[[Optimizer], Optimizer]) -> None:
+    """Make the model's `configure_optimizers` hand out `replace(optimizer)` for every optimizer it
+    returns, in any of Lightning's return forms, with LR schedulers re-pointed to the replacement.
+
+    The model's own code (learning rate, momentum, betas, schedulers) stays the source of truth;
+    the replacement (LARS, LAMB, DGC's SGD) takes its settings from the optimizer it replaces.
+    """
+    configure = model.configure_optimizers
+    replaced: Dict[int, Optimizer] = {}
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, Optimizer):
+            if id(value) not in replaced:
+                replaced[id(value)] = replace(value)
+            return replaced[id(value)]
+        if isinstance(value, (LRScheduler, ReduceLROnPlateau)):
+            value.optimizer = swap(value.optimizer)
+            return value
+        if isinstance(value, dict):
+            return {key: swap(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(item) for item in value)
+        return value
+
+    model.configure_optimizers = lambda: swap(configure())
 
 
 def loggers(cfg: DictConfig) -> List[Any]:

@@ -24,9 +24,11 @@ class Component:
     """A callable named by import path ("package.module:attr") and the keyword arguments it gets.
 
     Calling conventions by slot: precision `f(device_type=..., **kwargs) -> Precision`;
-    lightning_strategy `f(**kwargs) -> Strategy`; model transform
-    `f(model, device_type=..., **kwargs) -> list of module names changed`; callback
-    `f(**kwargs) -> Callback`.
+    lightning_strategy `f(comm_hook=None, **kwargs) -> Strategy`; comm hook
+    `f(**kwargs) -> (state, hook)`, called once the process group exists; optimizer replacement
+    `f(optimizer, model=..., **kwargs) -> Optimizer`, applied to each optimizer the model's
+    `configure_optimizers` returns; model transform `f(model, device_type=..., **kwargs) ->
+    list of module names changed`; callback `f(**kwargs) -> Callback`.
     """
 
     target: str
@@ -119,8 +121,9 @@ def make_plan(strategies: Dict[str, Any], trainer: Any) -> Plan:
         plan.callbacks.extend(Claim(name, component) for component in contribution.callbacks)
         plan.notes.extend(contribution.notes)
     plan.model_transforms.sort(key=lambda claim: PHASES.index(claim.phase))
-    if plan.lightning_strategy is None and plan.world["world_size"] != 1:
+    if plan.lightning_strategy is None and (plan.world["world_size"] != 1 or plan.comm_hook is not None):
         # Processes are started by lightfleet's launcher (or torchrun/SLURM); Lightning joins them.
+        # A communication hook needs DDP even in one process: it may carry the update (dgc's momentum).
         plan.lightning_strategy = Claim("lightfleet", Component("plugins.ddp:build_ddp", {}))
     return plan
 

@@ -129,12 +129,156 @@ class GradientMergeConfig:
 
 
 @dataclass
+class LarsConfig:
+    """Layer-wise adaptive rate scaling (Fleet: `strategy.lars`, `lars_configs`; You et al. 2017).
+    Replaces the model's momentum-SGD optimizer, keeping its learning rate, momentum and
+    schedulers: local_lr = lr * lars_coeff * ||w|| / (||g|| + lars_weight_decay * ||w|| + epsilon)."""
+
+    name: ClassVar[str] = "lars"
+
+    lars_coeff: float = 0.001
+    """Trust coefficient: how far one step may move a tensor relative to its norm."""
+    lars_weight_decay: float = 0.0005
+    """Weight decay inside the LARS update (replaces the base optimizer's)."""
+    epsilon: float = 0.0
+    """Added to the denominator of the local learning rate."""
+    exclude_from_weight_decay: List[str] = field(default_factory=list)
+    """Parameter-name substrings (e.g. bn, bias) whose tensors get no weight decay."""
+
+    def __post_init__(self) -> None:
+        require(self.lars_coeff > 0, "strategy.lars.lars_coeff", self.lars_coeff, "must be > 0")
+        require(self.lars_weight_decay >= 0, "strategy.lars.lars_weight_decay", self.lars_weight_decay, "must be >= 0")
+        require(self.epsilon >= 0, "strategy.lars.epsilon", self.epsilon, "must be >= 0")
+
+    def contribute(self) -> Contribution:
+        return Contribution(optimizer=Component("plugins.lars:replace_optimizer", asdict(self)))
+
+
+@dataclass
+class LambConfig:
+    """Layer-wise adaptive moments (Fleet: `strategy.lamb`, `lamb_configs`; You et al. 2019).
+    Replaces the model's Adam/AdamW optimizer, keeping its learning rate, betas, epsilon and
+    schedulers: Adam's update scaled per tensor by the trust ratio ||w|| / ||update||."""
+
+    name: ClassVar[str] = "lamb"
+
+    lamb_weight_decay: float = 0.01
+    """Decoupled weight decay inside the LAMB update."""
+    exclude_from_weight_decay: List[str] = field(default_factory=list)
+    """Parameter-name substrings (e.g. bn, bias, norm) whose tensors get no weight decay."""
+
+    def __post_init__(self) -> None:
+        require(self.lamb_weight_decay >= 0, "strategy.lamb.lamb_weight_decay", self.lamb_weight_decay, "must be >= 0")
+
+    def contribute(self) -> Contribution:
+        return Contribution(optimizer=Component("plugins.lamb:replace_optimizer", asdict(self)))
+
+
+@dataclass
+class LocalSGDConfig:
+    """Local SGD (Fleet: `strategy.localsgd`, `localsgd_configs`; Lin et al. 2018): gradients are
+    averaged every step until begin_step, then each process steps alone and the parameters are
+    averaged every k_steps (torch post-local-SGD hook + periodic model averager)."""
+
+    name: ClassVar[str] = "localsgd"
+
+    k_steps: int = 1
+    """Local steps between two parameter averagings."""
+    begin_step: int = 1
+    """Step from which local SGD starts (synchronous data parallelism before)."""
+
+    def __post_init__(self) -> None:
+        require(self.k_steps >= 1, "strategy.localsgd.k_steps", self.k_steps, "must be >= 1")
+        require(self.begin_step >= 1, "strategy.localsgd.begin_step", self.begin_step, "must be >= 1")
+
+    def contribute(self) -> Contribution:
+        return Contribution(
+            comm_hook=Component("plugins.localsgd:build_hook", {"begin_step": self.begin_step}),
+            callbacks=[Component("plugins.localsgd:ModelAveraging", asdict(self))])
+
+
+@dataclass
+class AdaptiveLocalSGDConfig:
+    """Adaptive local SGD (Fleet: `strategy.adaptive_localsgd`; Wang & Joshi 2018): local SGD
+    whose averaging period follows the loss, k = ceil(sqrt(lr0 * loss / (lr * loss0) * init_k_steps))
+    clipped to [1, 16]; the current k is logged as `localsgd_k`."""
+
+    name: ClassVar[str] = "adaptive_localsgd"
+
+    init_k_steps: int = 1
+    """Averaging period at begin_step, the reference the adapted period scales."""
+    begin_step: int = 1
+    """Step from which local SGD starts (synchronous data parallelism before)."""
+
+    def __post_init__(self) -> None:
+        require(self.init_k_steps >= 1, "strategy.adaptive_localsgd.init_k_steps", self.init_k_steps, "must be >= 1")
+        require(self.begin_step >= 1, "strategy.adaptive_localsgd.begin_step", self.begin_step, "must be >= 1")
+
+    def contribute(self) -> Contribution:
+        return Contribution(
+            comm_hook=Component("plugins.localsgd:build_hook", {"begin_step": self.begin_step}),
+            callbacks=[Component("plugins.adaptive_localsgd:AdaptiveModelAveraging", asdict(self))])
+
+
+@dataclass
+class DGCConfig:
+    """Deep gradient compression (Fleet: `strategy.dgc`, `dgc_configs`; Lin et al. 2017): only the
+    largest accumulated gradients travel (values + indices), the rest accumulate locally, with
+    momentum correction; replaces the model's momentum SGD by plain SGD (momentum moves into the
+    communication hook)."""
+
+    name: ClassVar[str] = "dgc"
+
+    rampup_begin_step: int = 0
+    """Step from which gradients are compressed (dense allreduce before)."""
+    rampup_step: int = 1
+    """Steps over which the sparsity list is walked."""
+    sparsity: List[float] = field(default_factory=lambda: [0.999])
+    """Fractions of gradient entries NOT sent, in warm-up order; the last one stays."""
+
+    def __post_init__(self) -> None:
+        require(self.rampup_begin_step >= 0, "strategy.dgc.rampup_begin_step", self.rampup_begin_step, "must be >= 0")
+        require(self.rampup_step >= 1, "strategy.dgc.rampup_step", self.rampup_step, "must be >= 1")
+        require(bool(self.sparsity) and all(0 <= s < 1 for s in self.sparsity), "strategy.dgc.sparsity",
+                list(self.sparsity), "a non-empty list of values in [0, 1)")
+
+    def contribute(self) -> Contribution:
+        return Contribution(optimizer=Component("plugins.dgc:replace_optimizer", {}),
+                            comm_hook=Component("plugins.dgc:build_hook", asdict(self)),
+                            callbacks=[Component("plugins.dgc:DGCCheckpoint", {})])
+
+
+@dataclass
+class FP16AllreduceConfig:
+    """Half-precision gradient communication (Fleet: `strategy.fp16_allreduce`): gradients travel
+    in 16 bits and are restored to float32 (torch fp16/bf16 compress hooks)."""
+
+    name: ClassVar[str] = "fp16_allreduce"
+
+    dtype: str = "float16"
+    """Wire type of the gradients: float16 or bfloat16 (wider range, less precision)."""
+
+    def __post_init__(self) -> None:
+        require(self.dtype in ("float16", "bfloat16"), "strategy.fp16_allreduce.dtype", self.dtype,
+                "allowed: float16, bfloat16", ("float16", "bfloat16"))
+
+    def contribute(self) -> Contribution:
+        return Contribution(comm_hook=Component("plugins.fp16_allreduce:build_hook", asdict(self)))
+
+
+@dataclass
 class StrategyConfig:
     """Knobs of the selected strategies; a key is present only when its strategy is selected."""
 
     amp: Optional[AmpConfig] = None
     recompute: Optional[RecomputeConfig] = None
     gradient_merge: Optional[GradientMergeConfig] = None
+    lars: Optional[LarsConfig] = None
+    lamb: Optional[LambConfig] = None
+    localsgd: Optional[LocalSGDConfig] = None
+    adaptive_localsgd: Optional[AdaptiveLocalSGDConfig] = None
+    dgc: Optional[DGCConfig] = None
+    fp16_allreduce: Optional[FP16AllreduceConfig] = None
 
 
 # --------------------------------------------------------------------------- the run

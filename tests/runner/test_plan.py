@@ -60,3 +60,13 @@ def test_printed_plan_names_who_asked_for_what():
     assert "1. [recompute] plugins.recompute:apply_recompute(checkpoints=[], enable_offload=False)  <- recompute" in text
     assert "checkpoint_shape has no effect" in text
     assert "repeated block list" in text
+
+
+def test_communication_strategies_run_under_ddp_even_in_one_process():
+    from runner.schema import DGCConfig, FP16AllreduceConfig, LarsConfig
+
+    plan = make_plan({"fp16_allreduce": FP16AllreduceConfig()}, TrainerConfig())
+    assert plan.comm_hook.component.target == "plugins.fp16_allreduce:build_hook"
+    assert plan.lightning_strategy.component.target == "plugins.ddp:build_ddp"
+    with pytest.raises(Refusal, match="lars and dgc both set the optimizer"):
+        make_plan({"lars": LarsConfig(), "dgc": DGCConfig()}, TrainerConfig())

@@ -1,0 +1,32 @@
+"""Every allowed row of conf/compat.yaml trains for real in 2 processes (gloo on CPU).
+
+Rows come from the table itself, so a row cannot be added without being trained here."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import yaml
+
+from runner.compat import load_table
+
+ROWS = sorted(sorted(row) for row in load_table().allowed)
+# The base optimizer each replacement needs: LAMB replaces Adam-family optimizers (the GPT's
+# AdamW); LARS and DGC replace momentum SGD (the MLP's default).
+NEEDS = {"lamb": ["model=gpt", "data=language_model"]}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=["+".join(row) for row in ROWS])
+def test_allowed_row_trains_in_two_processes(row, lightfleet, tmp_path):
+    extra = [override for name in row for override in NEEDS.get(name, [])]
+    done = lightfleet(f"strategy=[{','.join(row)}]", "trainer.devices=2", "paths.output_dir=run", *extra,
+                      "trainer.max_steps=30", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+                      "trainer.enable_model_summary=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    assert sorted(yaml.safe_load((run / "plan.yaml").read_text())["strategies"]) == row
+    assert len(list(run.glob("logs/*/attempt_0/*/stderr.log"))) == 2
+    losses = [float(r["train_loss"]) for r in csv.DictReader((run / "csv" / "metrics.csv").open()) if r["train_loss"]]
+    assert len(losses) >= 20
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.9 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
