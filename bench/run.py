@@ -68,7 +68,7 @@ def end_to_end(repeats: int, steps: int) -> Dict[str, object]:
 def refusal(repeats: int, steps: int) -> Dict[str, object]:
     """Time to refuse a forbidden combination vs time to merely `import pytorch_lightning`.
     Goal: refusal <= 0.3 s and at least 5x faster."""
-    times = side_by_side(lambda i: [sys.executable, "-m", "runner", "strategy=[amp,lars]"],
+    times = side_by_side(lambda i: [sys.executable, "-m", "runner", "strategy=[lars,lamb]"],
                          lambda i: [sys.executable, "-c", "import pytorch_lightning"], repeats, expect_a=2)
     refuse, speedup = statistics.median(times["a"]), 1 / paired_ratio(times)
     return {"refusal_s": refuse, "import_lightning_s": statistics.median(times["b"]), "speedup": speedup,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -124,6 +125,9 @@ def replace_optimizers(model: pl.LightningModule, replace: Callable[[Optimizer],
         return value
 
     model.configure_optimizers = lambda: swap(configure())
+    # A re-pointed scheduler warns that its optimizer's step "has been overridden": the
+    # replacement is deliberate, and the scheduler still steps after the optimizer.
+    warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been overridden")
 
 
 def loggers(cfg: DictConfig) -> List[Any]:

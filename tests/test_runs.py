@@ -57,11 +57,11 @@ def test_sweep_of_two_combinations_in_two_processes_skips_refused_jobs(lightflee
     """A 2-combination x 2-process sweep: a forbidden job is reported and skipped, and each job
     that runs gets exactly one directory that all its ranks log into."""
     rows = [["amp", "recompute"], ["amp", "gradient_merge", "recompute"]]
-    combos = ",".join(f"[{','.join(row)}]" for row in rows) + ",[amp,lars]"
+    combos = ",".join(f"[{','.join(row)}]" for row in rows) + ",[lars,lamb]"
     done = lightfleet("-m", f"strategy={combos}", "trainer.devices=2", "paths.sweep_dir=sweep",
                       *fast())
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"job {len(rows)} (strategy=[amp,lars]" in done.stderr and "lars is not available yet" in done.stderr
+    assert f"job {len(rows)} (strategy=[lars,lamb]" in done.stderr and "both replace the optimizer" in done.stderr
     sweep = tmp_path / "sweep"
     assert sorted(p.name for p in sweep.iterdir()) == sorted([str(i) for i in range(len(rows))] + ["multirun.yaml"])
     for number, row in enumerate(rows):
@@ -72,7 +72,7 @@ def test_sweep_of_two_combinations_in_two_processes_skips_refused_jobs(lightflee
 
 
 def test_refusals_are_reported_before_the_first_job_trains(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "runner", "-m", "strategy=[amp],[dgc],[amp,lamb]",
+    done = subprocess.run([sys.executable, "-m", "runner", "-m", "strategy=[amp],[pipeline],[lars,lamb]",
                            "paths.sweep_dir=sweep", "trainer.enable_progress_bar=false", "trainer.max_steps=2"],
                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]

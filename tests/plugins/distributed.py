@@ -39,9 +39,10 @@ def run_two_ranks(script: str, tmp_path: Path, timeout: float = 120) -> None:
     """Run `script` (Python source; sys.argv[1] is tmp_path) in 2 processes; fail with their output."""
     path = tmp_path / "ranks.py"
     path.write_text(textwrap.dedent(script))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
-    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+    paths = [str(HERE), str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
+    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                "SLURM_PROCID"):
         env.pop(var, None)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={WORLD_SIZE}", str(path), str(tmp_path)],
@@ -84,21 +85,30 @@ class AllReduceSpy:
 
 
 class Record(pl.Callback):
-    """One rank's record of every optimizer step, taken at the end of its batch (after the
-    callbacks listed before this one): flat parameters, training loss, learning rate, and the
-    all-reduce calls and bytes since the batch started (with `spy`)."""
+    """One rank's record of the flat parameters it starts training from (`initial_params`) and
+    of every optimizer step (`steps`): the flat gradient it steps with, and at the end
+    of its batch (after the callbacks listed before this one) the flat parameters, training loss,
+    learning rate, and the all-reduce calls and bytes since the batch started (with `spy`)."""
 
     def __init__(self, spy: Optional[AllReduceSpy] = None) -> None:
         self.spy = spy
         self.steps: List[dict] = []
+        self._grad: Optional[torch.Tensor] = None
+        self.initial_params: Optional[torch.Tensor] = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.initial_params = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.spy is not None:
             self.spy.reset()
             self.spy.active = True
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._grad = torch.cat([p.grad.detach().reshape(-1) for p in pl_module.parameters()]).clone()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = {"step": trainer.global_step,
+        step = {"step": trainer.global_step, "grad": self._grad,
                 "params": torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone(),
                 "loss": float(outputs["loss"]),
                 "lr": float(trainer.optimizers[0].param_groups[0]["lr"])}

@@ -11,8 +11,6 @@ from distributed import load_ranks, run_two_ranks
 STEPS = 3
 
 SCRIPT = """
-import sys
-
 import pytorch_lightning as pl
 import torch
 
@@ -37,33 +35,29 @@ class Gradients(pl.Callback):
 
 
 spy = AllReduceSpy()
-dense_bytes = []  # per bucket: what DDP's own float32 all-reduce of it would send
-
-
-def counting_hook_factory():
-    state, hook = build_hook(dtype=sys.argv[2])
-
-    def counting_hook(state, bucket):
-        dense_bytes.append(bucket.buffer().numel() * bucket.buffer().element_size())
-        return hook(state, bucket)
-
-    return state, counting_hook
-
-
-gradients, record = Gradients(), Record(spy)
-trainer = fit(counting_hook_factory, [gradients, record], max_steps=STEPS)
-save("record", {"gradients": gradients.steps, "steps": record.steps, "dense_bytes": sum(dense_bytes),
-                "state": trainer.strategy.comm_hook_state})
-""".replace("STEPS", str(STEPS))
+for dtype in DTYPES:  # one trainer after the other in the same 2 processes
+    gradients, record = Gradients(), Record(spy)
+    trainer = fit(lambda: build_hook(dtype=dtype), [gradients, record], max_steps=STEPS)
+    save(dtype, {"gradients": gradients.steps, "steps": record.steps, "state": trainer.strategy.comm_hook_state,
+                 # what DDP's own float32 all-reduce sends per step: every parameter's gradient
+                 "dense_bytes": sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())})
+"""
 
 # Unit roundoff of each wire type: one rounding when casting a rank's gradient, one when summing.
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gradients_are_averaged_in_16_bits_with_half_the_bytes(dtype, tmp_path):
-    run_two_ranks(SCRIPT.replace("sys.argv[2]", repr(dtype)), tmp_path)
-    ranks = load_ranks(tmp_path)
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """Both wire types trained in one 2-process launch (starting the processes is the slow part)."""
+    tmp_path = tmp_path_factory.mktemp("fp16_allreduce")
+    run_two_ranks(SCRIPT.replace("STEPS", str(STEPS)).replace("DTYPES", repr(list(UNIT_ROUNDOFF))), tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("dtype", list(UNIT_ROUNDOFF))
+def test_gradients_are_averaged_in_16_bits_with_half_the_bytes(dtype, run_dir):
+    ranks = load_ranks(run_dir, dtype)
     wire = getattr(torch, dtype)
     for rank in ranks:
         assert rank["state"] is None  # the hook reduces over the default (world) group
@@ -76,12 +70,12 @@ def test_gradients_are_averaged_in_16_bits_with_half_the_bytes(dtype, tmp_path):
             assert not torch.equal(l0, l1)  # the ranks saw different data: there was something to average
             assert torch.equal(r0.to(wire).float(), r0)  # every value went through the 16-bit wire type
             mean = (l0 + l1) / 2
-            # Within the roundoff of casting each local gradient and of their 16-bit sum (+ float16
-            # subnormals' absolute spacing, 2^-24).
+            # Within the roundoff of casting each local gradient and of their 16-bit sum (near zero:
+            # two roundings at float16's subnormal spacing, 2^-24).
             bound = 2 * UNIT_ROUNDOFF[dtype] * (l0.abs() + l1.abs()) / 2 + 2.0 ** -23
             assert ((r0 - mean).abs() <= bound).all(), (r0 - mean).abs().max()
     for rank in ranks:
         steps = rank["steps"]
         assert [s["all_reduce_calls"] > 0 for s in steps] == [True] * STEPS
-        # Everything all-reduced during training is 16-bit gradients: half of float32's bytes.
-        assert sum(s["all_reduce_bytes"] for s in steps) / rank["dense_bytes"] == 0.5
+        # Everything all-reduced at a step is the 16-bit gradients: half of float32's bytes.
+        assert [s["all_reduce_bytes"] / rank["dense_bytes"] for s in steps] == [0.5] * STEPS

@@ -68,7 +68,12 @@ def assert_matches(optimizer, params, reference):
             torch.testing.assert_close(optimizer.state[p]["momentum_buffer"].double(), reference.buffers[i], **TOL)
 
 
-def test_steps_match_the_formula_per_tensor():
+# On the CPU the tensors are updated in chunks of about CPU_CHUNK_NUMEL elements: a small
+# chunk size splits this model's lists too.
+@pytest.mark.parametrize("chunk_numel", [None, 300], ids=["whole-lists", "chunked"])
+def test_steps_match_the_formula_per_tensor(chunk_numel, monkeypatch):
+    if chunk_numel is not None:
+        monkeypatch.setattr("plugins.lars.CPU_CHUNK_NUMEL", chunk_numel)
     torch.manual_seed(0)
     model = MLPClassifier(input_dim=8, hidden_dim=16, num_blocks=2)
     params = list(model.parameters())
@@ -84,7 +89,8 @@ def test_steps_match_the_formula_per_tensor():
                        "lars_weight_decay": 0.05, "no_weight_decay": no_decay}],
                      lr=0.5, momentum=0.9, lars_coeff=0.02, lars_weight_decay=0.01, epsilon=1e-4)
     reference = ReferenceLARS(params, lr=[0.5 if b else 0.2 for b in in_blocks],
-                              wd=[0.01 if b else 0.0 if n.endswith(".bias") else 0.05 for n, b in zip(names, in_blocks)],
+                              wd=[0.01 if b else 0.0 if n.endswith(".bias") else 0.05
+                                  for n, b in zip(names, in_blocks)],
                               momentum=0.9, lars_coeff=0.02, epsilon=1e-4)
     batch = (torch.randn(32, 8), torch.randint(4, (32,)))
     frozen_before = frozen[0].detach().clone()
@@ -122,6 +128,9 @@ def test_excluded_names_get_no_weight_decay_also_inside_recomputed_blocks():
         assert_matches(optimizer, params, reference)
 
 
+# The scheduler wrapped the replaced optimizer's step to check the call order; the new one's is
+# not wrapped, so torch warns once. Harmless: the order check is all it loses.
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 def test_replacement_keeps_groups_and_the_scheduler_follows():
     model = MLPClassifier()
     blocks = list(model.blocks.parameters())
@@ -171,7 +180,7 @@ def test_state_dict_round_trips():
 
     twin = copy.deepcopy(model)
     restored = LARS(twin.parameters(), lr=1.0, momentum=0.1, lars_coeff=1.0)  # overwritten by the load
-    restored.load_state_dict(optimizer.state_dict())
+    restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # as from a checkpoint: no shared tensors
     assert restored.param_groups[0]["no_weight_decay"] == optimizer.param_groups[0]["no_weight_decay"]
     assert all("momentum_buffer" in restored.state[p] for p in twin.parameters())
     for m, opt in ((model, optimizer), (twin, restored)):
@@ -260,7 +269,7 @@ class Model(MLPClassifier):
 torch.set_num_threads(1)
 pl.seed_everything(0, verbose=False)
 model = Model()
-trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=30, limit_val_batches=0, logger=False,
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, limit_val_batches=0, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(model, SyntheticClassificationData())
 optimizer = trainer.optimizers[0]
@@ -286,7 +295,7 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     assert [r["optimizer"] for r in ranks] == ["LARS", "LARS"]
     for rank in ranks:
         losses = rank["losses"]
-        assert len(losses) == 30
+        assert len(losses) == 20
         assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], **TOL)
     torch.testing.assert_close(ranks[0]["state"]["state"], ranks[1]["state"]["state"], **TOL)

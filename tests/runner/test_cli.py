@@ -30,9 +30,15 @@ def assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str) ->
 
 
 def test_refused_combination_exits_2_before_hydra_or_torch(lightfleet):
-    done = lightfleet("strategy=[amp,lamb,lars]")
-    assert_one_line_error(done, "lightfleet: refused: lamb, lars are not available yet")
-    assert decide_in_process("strategy=[amp,lars]") == ""
+    done = lightfleet("strategy=[lars,lamb]")
+    assert_one_line_error(done, "lightfleet: refused: lars+lamb is not an allowed combination",
+                          "both replace the optimizer", "closest allowed: amp+lamb, amp+lars")
+    assert decide_in_process("strategy=[lars,lamb]") == ""
+
+
+def test_strategy_without_plugin_is_refused_by_name(lightfleet):
+    assert_one_line_error(lightfleet("strategy=[amp,pipeline,sharding]"),
+                          "lightfleet: refused: pipeline, sharding are not available yet")
 
 
 def test_unknown_strategy_suggests_a_name(lightfleet):
@@ -84,7 +90,7 @@ def test_multi_node_without_rendezvous_address_is_refused_before_spawning(lightf
 def test_help_lists_groups_strategies_and_experiments(lightfleet):
     done = lightfleet("--help")
     assert done.returncode == 0
-    assert "strategies available: amp, gradient_merge, recompute" in done.stdout
+    assert "strategies available: adaptive_localsgd, amp, dgc, fp16_allreduce, gradient_merge, lamb, lars, localsgd, recompute" in done.stdout
     assert "quickstart" in done.stdout
 
 

@@ -50,8 +50,8 @@ def test_knob_of_unselected_strategy_is_an_error(spec_for):
 
 
 def test_unavailable_strategy_in_config_is_refused_by_name(spec_for):
-    with pytest.raises(Refusal, match="dgc is not available yet"):
-        spec_for("strategy=[dgc]")
+    with pytest.raises(Refusal, match="sharding is not available yet"):
+        spec_for("strategy=[sharding]")
 
 
 def test_trainer_schema_covers_lightning_trainer():

@@ -1,0 +1,143 @@
+"""LAMB (Fleet `strategy.lamb`, Paddle's `lamb` op) as a torch optimizer.
+
+Layer-wise Adaptive Moments for Batch training, You et al., "Large Batch Optimization for Deep
+Learning: Training BERT in 76 minutes", arXiv:1904.00962. `replace_optimizer` turns the user's
+Adam or AdamW into `LAMB` with the same parameter groups (betas and eps included), so
+learning-rate schedulers keep working on it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from plugins.lars import NO_WEIGHT_DECAY, check_no_weight_decay_flags, copy_groups, grad_buckets, norm_dtype
+from runner.errors import ConfigError
+
+
+class LAMB(torch.optim.Optimizer):
+    """Adam moments with a per-tensor ("layer-wise") trust ratio, as Paddle's lamb op.
+
+    For each parameter tensor w with gradient g, at its step t = 1, 2, ... (moments m, v start
+    at zero):
+
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g^2
+        r = m_hat / (sqrt(v_hat) + eps) + wd * w,   m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t)
+        trust = ||w|| / ||r||   if ||w|| > 0 and ||r|| > 0,   else 1
+        w = w - lr * trust * r
+
+    with wd = `lamb_weight_decay`, or 0 for the parameters flagged in the group's
+    `no_weight_decay` list (one bool per parameter; `replace_optimizer` fills it from names).
+    Norms are L2 norms of whole tensors: the trust ratio is a property of a full layer, so a
+    sharded optimizer must all-reduce the squared norms of its shards before using them.
+
+    The update runs on `torch._foreach_*` ops over the tensors of each group (per device, dtype
+    and weight decay on/off; in chunks on the CPU), the branch above is a `torch.where`, and
+    nothing is read back to the host: the step count is a tensor on the parameter's device.
+    The state of a parameter is `step`, `exp_avg` (m) and `exp_avg_sq` (v), torch's Adam names,
+    so `state_dict()` and `load_state_dict()` round-trip. Parameters without a gradient are
+    left alone. Other keys a group may carry (`weight_decay`, `amsgrad`, ... from an Adam it
+    replaced) are kept and ignored: weight decay here is `lamb_weight_decay`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        lamb_weight_decay: float = 0.01,
+    ) -> None:
+        if lr < 0 or eps < 0 or lamb_weight_decay < 0:
+            raise ValueError(f"LAMB: lr, eps and lamb_weight_decay must be >= 0, got {lr}, {eps}, {lamb_weight_decay}")
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"LAMB: betas must lie in [0, 1), got {betas}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, lamb_weight_decay=lamb_weight_decay,
+                        **{NO_WEIGHT_DECAY: None})
+        super().__init__(params, defaults)
+
+    @override
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        check_no_weight_decay_flags(self.param_groups[-1])
+
+    @override
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for params, grads, steps, exp_avgs, exp_avg_sqs, decays in grad_buckets(self, group, self._init_state):
+                _lamb_update(params, grads, steps, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
+                             eps=group["eps"], weight_decay=group["lamb_weight_decay"] if decays else 0.0)
+        return loss
+
+    @staticmethod
+    def _init_state(state: Dict[str, Any], param: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        elif state["step"].device != param.device:
+            # load_state_dict leaves `step` where it was saved (torch's rule for non-capturable
+            # optimizers); here it takes part in device-side arithmetic, so it follows the param.
+            state["step"] = state["step"].to(param.device)
+        return state["step"], state["exp_avg"], state["exp_avg_sq"]
+
+
+def _lamb_update(params: List[torch.Tensor], grads: List[torch.Tensor], steps: List[torch.Tensor],
+                 exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor], *, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float) -> None:
+    """One LAMB step for tensors of one device and dtype and one weight decay (see LAMB)."""
+    torch._foreach_add_(steps, 1)
+    # Per-tensor scalars on the device, computed once for the whole list: bc = 1 - beta^t.
+    step = torch.stack(steps)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    eps_terms = (eps * bias_correction2_sqrt).unbind()
+    scales = (bias_correction2_sqrt / bias_correction1).unbind()
+
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+
+    # r = m_hat / (sqrt(v_hat) + eps) = (m / (sqrt(v) + eps * sqrt(bc2))) * sqrt(bc2) / bc1
+    denominators = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denominators, eps_terms)
+    updates = torch._foreach_div(exp_avgs, denominators)
+    del denominators
+    torch._foreach_mul_(updates, scales)
+    if weight_decay != 0:
+        torch._foreach_add_(updates, params, alpha=weight_decay)
+
+    w_norms = torch.stack(torch._foreach_norm(params, 2, dtype=norm_dtype(params)))
+    r_norms = torch.stack(torch._foreach_norm(updates, 2, dtype=norm_dtype(params)))
+    trust = torch.where((w_norms > 0) & (r_norms > 0), w_norms / r_norms, 1.0)
+    torch._foreach_addcmul_(params, updates, (trust * -lr).unbind())
+
+
+def replace_optimizer(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    lamb_weight_decay: float = 0.01,
+    exclude_from_weight_decay: Sequence[str] = (),
+) -> LAMB:
+    """LAMB over the parameter groups of the user's Adam or AdamW `optimizer`.
+
+    Every group keeps all its keys (lr, initial_lr, betas, eps, ...) and gets
+    `lamb_weight_decay` and `no_weight_decay` (True for parameters whose name in `model`
+    contains one of `exclude_from_weight_decay`). Raises ConfigError for any other optimizer.
+    The LAMB state starts empty.
+    """
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ConfigError("model.optimizer", type(optimizer).__name__,
+                          "lamb needs an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW)")
+    groups = copy_groups(optimizer, model, exclude_from_weight_decay, lamb_weight_decay=lamb_weight_decay)
+    return LAMB(groups, lr=optimizer.defaults["lr"], betas=optimizer.defaults["betas"],
+                eps=optimizer.defaults["eps"], lamb_weight_decay=lamb_weight_decay)

@@ -1,0 +1,132 @@
+"""Local SGD (Fleet `strategy.localsgd`; Lin et al., "Don't Use Large Mini-Batches, Use Local SGD",
+arXiv 1808.07217): synchronous data parallelism for the first `begin_step` optimizer steps, then
+every process steps on its own and the parameters are averaged across all processes every
+`k_steps` steps. Built from torch's post-local-SGD pieces:
+
+- the DDP communication hook, `post_localSGD_hook` with a `PostLocalSGDState`, all-reduces the
+  gradients over the world group for its first `begin_step` iterations and afterwards leaves them
+  local (`post_local_gradient_allreduce=False`: no intra-node subgroup, no communication at all);
+- `ModelAveraging`, a callback, runs torch's `PeriodicModelAverager` after every optimizer step,
+  which averages the parameters (one all-reduce of all of them, flattened) over the world group.
+
+Step counting. Both count optimizer steps, n = 1, 2, ... (`trainer.global_step` after the step):
+the hook counts DDP iterations, i.e. backward passes that synchronise (under gradient
+accumulation Lightning runs the other micro-batches in `no_sync`, where DDP calls no hook), so
+iteration i is optimizer step n = i + 1, and it all-reduces gradients for n <= begin_step. The
+averager is handed step n - 1 before each call and built with `warmup_steps = begin_step +
+k_steps - 1`, so it averages after steps n = begin_step + k_steps, begin_step + 2 k_steps, ...:
+k local steps, then an average, as Fleet does (torch's own example pairs `warmup_steps =
+start_localSGD_iter`, which averages already after the first local step). Both counters are set
+from `trainer.global_step` when training starts, so a run resumed from a checkpoint continues the
+same schedule. Every rank logs `localsgd_syncs`, the number of parameter averagings so far.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import pytorch_lightning as pl
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from typing_extensions import override
+
+
+def build_hook(begin_step: int = 1) -> Tuple[PostLocalSGDState, Callable]:
+    """(state, hook) for `DistributedDataParallel.register_comm_hook`: gradients all-reduced over
+    the world group for the first `begin_step` iterations, purely local afterwards."""
+    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=begin_step,
+                              post_local_gradient_allreduce=False)
+    return state, post_localSGD_hook
+
+
+class LocalSGDCallback(pl.Callback):
+    """What local-SGD callbacks share: once training starts, line up the hook's iteration count
+    with `trainer.global_step`; after each optimizer step (not after accumulating micro-batches),
+    call `after_optimizer_step` and log `localsgd_syncs`. Does nothing in a single process."""
+
+    def __init__(self, begin_step: int) -> None:
+        if begin_step < 1:
+            raise ValueError(f"begin_step must be >= 1, got {begin_step}")
+        self.begin_step = begin_step
+        self.syncs = 0  # parameter averagings so far
+        self._steps_seen = 0
+
+    def after_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                             step: int) -> bool:
+        """Called after optimizer step `step` (1-based) in a multi-process run; True when it
+        averaged the parameters."""
+        raise NotImplementedError
+
+    @staticmethod
+    def distributed(trainer: pl.Trainer) -> bool:
+        return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._steps_seen = trainer.global_step
+        if not self.distributed(trainer):
+            return
+        state = getattr(trainer.strategy, "comm_hook_state", None)
+        if not isinstance(state, PostLocalSGDState):
+            raise RuntimeError(f"{type(self).__name__} needs the DDP communication hook of "
+                               "plugins.localsgd:build_hook (FleetDDPStrategy(comm_hook=...)); without it the "
+                               "gradients are all-reduced at every step")
+        if state.start_localSGD_iter != self.begin_step:
+            raise RuntimeError(f"{type(self).__name__}(begin_step={self.begin_step}) and the communication hook "
+                               f"(begin_step={state.start_localSGD_iter}) disagree")
+        # The hook counts iterations only until it turns local; on resume it restarts from 0.
+        state.iter = min(trainer.global_step, state.start_localSGD_iter)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._steps_seen:  # accumulating micro-batches: no step taken
+            return
+        self._steps_seen = trainer.global_step
+        if not self.distributed(trainer):
+            return
+        if self.after_optimizer_step(trainer, pl_module, outputs, trainer.global_step):
+            self.syncs += 1
+        pl_module.log("localsgd_syncs", float(self.syncs), on_step=True, on_epoch=False)
+
+    @override
+    def state_dict(self) -> Dict[str, Any]:
+        return {"syncs": self.syncs}
+
+    @override
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.syncs = state_dict["syncs"]
+
+
+class ModelAveraging(LocalSGDCallback):
+    """Average the parameters over all processes every `k_steps` optimizer steps after
+    `begin_step` (torch `PeriodicModelAverager`); pair with `build_hook(begin_step)`."""
+
+    def __init__(self, k_steps: int = 1, begin_step: int = 1) -> None:
+        super().__init__(begin_step)
+        if k_steps < 1:
+            raise ValueError(f"k_steps must be >= 1, got {k_steps}")
+        self.k_steps = k_steps
+        self.averager: Optional[PeriodicModelAverager] = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.averager is None and self.distributed(trainer):
+            with warnings.catch_warnings():  # k_steps=1 (Fleet's default) is valid: average every step
+                warnings.filterwarnings("ignore", message="When period is 1")
+                self.averager = PeriodicModelAverager(period=self.k_steps,
+                                                      warmup_steps=self.begin_step + self.k_steps - 1)
+
+    @override
+    def after_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                             step: int) -> bool:
+        averager = self.averager
+        averager.step = step - 1  # its own count (+1 per call), made to agree with the hook's
+        # PeriodicModelAverager's schedule, to count what it does:
+        since_warmup = averager.step - averager.warmup_steps
+        averages = since_warmup >= 0 and since_warmup % averager.period == 0
+        averager.average_parameters(pl_module.parameters())
+        return averages
+

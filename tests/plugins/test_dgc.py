@@ -1,0 +1,377 @@
+"""DGC in real 2-process DDP training (gloo on CPU, no mocks): what each rank sends, what it
+keeps, the warm-up schedule, exact momentum SGD before it, convergence, and resuming from a
+Lightning checkpoint with the residuals."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+
+from distributed import load_ranks, run_two_ranks
+from plugins.ddp import build_ddp
+from plugins.dgc import DGCState, build_hook, message_bytes, replace_optimizer, sparsity_at, top_k
+from runner.errors import ConfigError
+from runner.models import MLPClassifier
+
+LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 1e-3
+# The exactness run: 3 dense steps, then the sparsity list walked over 6 steps, then 0.999.
+BEGIN, RAMPUP, SPARSITY = 3, 6, [0.5, 0.9, 0.999]
+STEPS, HALF = 16, 8  # 512 samples / 2 ranks / 64 per batch = 4 steps per epoch: HALF ends epoch 1
+
+# One launch, four fits in the same 2 processes (each fit a new model, Trainer and hook state):
+# "full" trains STEPS steps; "first" trains HALF steps and checkpoints; "resumed" continues
+# "first" from its checkpoint to STEPS; "converge" trains the synthetic task with DGC.
+SCRIPT = """
+import functools
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from distributed import save
+from plugins.ddp import FleetDDPStrategy
+from plugins.dgc import DGCCheckpoint, build_hook, replace_optimizer
+from runner.data import SyntheticClassificationData
+from runner.models import MLPClassifier
+
+OUT = Path(sys.argv[1])
+torch.set_num_threads(1)
+
+
+class DGCMLP(MLPClassifier):
+    # What the build step does: the model's own optimizer, replaced.
+    def configure_optimizers(self):
+        return replace_optimizer(super().configure_optimizers(), self)
+
+
+class Recorder(pl.Callback):
+    def __init__(self, trace):
+        self.trace, self.steps, self.restored = trace, [], None
+
+    def on_train_start(self, trainer, pl_module):
+        state = trainer.strategy.comm_hook_state
+        self.restored = state.state_dict()  # after DGCCheckpoint applied a loaded checkpoint
+        if self.trace:
+            state.trace = []
+        self.names = [name for name, _ in pl_module.named_parameters()]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append({"batch": [t.clone() for t in batch],
+                           "before": [p.detach().clone() for p in pl_module.parameters()]})
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps[-1]["grad"] = [p.grad.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps[-1].update(after=[p.detach().clone() for p in pl_module.parameters()],
+                              loss=float(outputs["loss"]))
+
+
+def run(name, max_steps, hook_knobs, num_train, trace=False, ckpt_path=None, checkpoint_dir=None):
+    pl.seed_everything(0, verbose=False)
+    model = DGCMLP(optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM,
+                                               weight_decay=WEIGHT_DECAY))
+    data = SyntheticClassificationData(num_train=num_train, batch_size=64)
+    recorder = Recorder(trace)
+    callbacks = [DGCCheckpoint(), recorder]
+    if checkpoint_dir:
+        # Saved after the step (the way Lightning resumes an epoch-end checkpoint, it would run
+        # only one batch of the next epoch, and the batches would not match the full run's).
+        callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, every_n_train_steps=HALF, save_last=True))
+    # Small buckets: several per step, re-laid out by DDP after the first step.
+    strategy = FleetDDPStrategy(comm_hook=functools.partial(build_hook, **hook_knobs), bucket_cap_mb=0.05)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, callbacks=callbacks,
+                         max_steps=max_steps, limit_val_batches=0, logger=False,
+                         enable_checkpointing=bool(checkpoint_dir), enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=OUT)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    state = trainer.strategy.comm_hook_state
+    save(name, {"steps": recorder.steps, "names": recorder.names, "trace": state.trace,
+                "restored": recorder.restored, "final": state.state_dict(),
+                "sent_bytes": state.sent_bytes, "dense_bytes": state.dense_bytes})
+
+
+exact = dict(rampup_begin_step=BEGIN, rampup_step=RAMPUP, sparsity=SPARSITY)
+run("full", STEPS, exact, num_train=512, trace=True)
+run("first", HALF, exact, num_train=512, checkpoint_dir="ckpt")
+run("resumed", STEPS, exact, num_train=512, ckpt_path=OUT / "ckpt" / "last.ckpt")
+run("converge", CONVERGE_STEPS, dict(rampup_begin_step=0, rampup_step=10, sparsity=[0.75, 0.9, 0.99]),
+    num_train=2048)
+"""
+CONVERGE_STEPS = 48
+SCRIPT = "".join(f"{name} = {value!r}\n" for name, value in dict(
+    LR=LR, MOMENTUM=MOMENTUM, WEIGHT_DECAY=WEIGHT_DECAY, BEGIN=BEGIN, RAMPUP=RAMPUP, SPARSITY=SPARSITY,
+    STEPS=STEPS, HALF=HALF, CONVERGE_STEPS=CONVERGE_STEPS).items()) + SCRIPT
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"full" | "first" | "resumed" | "converge": [rank 0's record, rank 1's record]}."""
+    tmp_path = tmp_path_factory.mktemp("dgc")
+    run_two_ranks(SCRIPT, tmp_path, timeout=240)
+    return {name: load_ranks(tmp_path, name) for name in ("full", "first", "resumed", "converge")}
+
+
+def split(flat: torch.Tensor, entry: dict, shapes: dict) -> dict:
+    """A bucket-flat vector of a trace entry -> {parameter name: tensor}."""
+    sizes = [math.prod(shapes[name]) for name in entry["names"]]
+    return dict(zip(entry["names"], flat.split(sizes)))
+
+
+def shapes_of(record: dict) -> dict:
+    return {name: p.shape for name, p in zip(record["names"], record["steps"][0]["before"])}
+
+
+def sent_dense(entry: dict) -> torch.Tensor:
+    return torch.zeros_like(entry["accumulated"]).index_add_(0, entry["indices"].long(), entry["values"])
+
+
+def entries_of(record: dict, step: int) -> list:
+    return [entry for entry in record["trace"] if entry["step"] == step]
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def test_schedule_is_fleets():
+    # Paddle's get_period_sparcity: sparsity[min(len - 1, int((step - begin) * len / rampup_step))].
+    assert [sparsity_at(s, 3, 6, [0.5, 0.9, 0.999]) for s in range(12)] == \
+        [None] * 3 + [0.5, 0.5, 0.9, 0.9, 0.999, 0.999, 0.999, 0.999, 0.999]
+    assert [sparsity_at(s, 0, 1, [0.999]) for s in range(3)] == [0.999] * 3  # Fleet's defaults
+    assert [sparsity_at(s, 1, 4, [0.75, 0.9375, 0.984375, 0.996, 0.999]) for s in range(7)] == \
+        [None, 0.75, 0.9375, 0.984375, 0.996, 0.999, 0.999]
+    assert top_k(1000, 0.999) == 1 and top_k(1000, 0.5) == 500 and top_k(10, 0.999) == 1
+    assert message_bytes([100_000], 0.999) == 100 * (4 + 4)  # float32 values + int32 indices
+    assert message_bytes([4096, 64], 0.999) == (5 + 1) * 8  # per parameter, at least one each
+    with pytest.raises(ConfigError, match="strategy.dgc.rampup_step"):
+        build_hook(0, 0, [0.999])
+    with pytest.raises(ConfigError, match="strategy.dgc.sparsity"):
+        build_hook(0, 1, [0.5, 1.0])
+
+
+def attached_model(optimizer_factory, **trainer_args) -> tuple[MLPClassifier, DGCState]:
+    """A model attached to a Trainer whose strategy holds a DGC hook state, as in a run after DDP
+    registered the hook (no process group is needed to replace the optimizer)."""
+    model = MLPClassifier(optimizer=optimizer_factory)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=build_ddp(comm_hook=build_hook), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         **trainer_args)
+    state, _ = build_hook(0, 1, [0.999])
+    trainer.strategy.comm_hook_state = state
+    model.trainer = trainer
+    return model, state
+
+
+@pytest.mark.parametrize("factory, value", [
+    (functools.partial(torch.optim.AdamW, lr=1e-3), "AdamW"),
+    (functools.partial(torch.optim.SGD, lr=0.1), "SGD"),
+    (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True), "SGD(nesterov=True)"),
+    (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, dampening=0.1), "SGD(dampening=0.1)"),
+])
+def test_refuses_other_optimizers(factory, value):
+    model, _ = attached_model(factory)
+    with pytest.raises(ConfigError) as error:
+        replace_optimizer(model.configure_optimizers(), model)
+    assert error.value.key == "model.optimizer" and error.value.value == value
+    if value in ("AdamW", "SGD"):
+        assert "dgc needs momentum SGD (torch.optim.SGD with momentum > 0)" in str(error.value)
+
+
+def test_replacement_is_plain_sgd_and_state_takes_momentum_and_weight_decay():
+    model, state = attached_model(None)
+    params = list(model.parameters())
+    original = torch.optim.SGD([{"params": params[:2], "weight_decay": 0.0, "lr": 0.05},
+                                {"params": params[2:], "weight_decay": 1e-4}], lr=0.1, momentum=0.9)
+    original.param_groups[1]["initial_lr"] = 0.1  # as an LR scheduler leaves it
+    replaced = replace_optimizer(original, model)
+    assert type(replaced) is torch.optim.SGD and replaced is not original
+    assert [g["momentum"] for g in replaced.param_groups] == [0.0, 0.0]
+    assert [g["weight_decay"] for g in replaced.param_groups] == [0.0, 0.0]
+    assert [g["lr"] for g in replaced.param_groups] == [0.05, 0.1]
+    assert replaced.param_groups[1]["initial_lr"] == 0.1
+    assert [g["params"] for g in replaced.param_groups] == [g["params"] for g in original.param_groups]
+    assert original.param_groups[0]["momentum"] == 0.9  # the user's optimizer is left alone
+    assert state.momentum == 0.9
+    assert state.weight_decay == {id(p): (0.0 if i < 2 else 1e-4) for i, p in enumerate(params)}
+    assert set(state.names.values()) == {name for name, _ in model.named_parameters()}
+
+
+def test_refuses_gradient_clipping():
+    model, _ = attached_model(None, gradient_clip_val=1.0)
+    with pytest.raises(ConfigError) as error:
+        replace_optimizer(model.configure_optimizers(), model)
+    assert error.value.key == "trainer.gradient_clip_val"
+
+
+def test_refuses_without_the_hook():
+    model = MLPClassifier()
+    with pytest.raises(RuntimeError, match="no DGC communication hook"):
+        replace_optimizer(model.configure_optimizers(), model)
+
+
+# --------------------------------------------------------------------------- 2 processes
+
+
+def test_bytes_sent_at_sparsity_0999_are_under_one_percent_of_dense(runs):
+    shapes = shapes_of(runs["full"][0])
+    for rank in runs["full"]:
+        steps = [s for s in range(STEPS) if sparsity_at(s, BEGIN, RAMPUP, SPARSITY) == 0.999]
+        assert len(steps) >= 5
+        for step in steps:
+            entries = entries_of(rank, step)
+            assert len(entries) >= 2  # several buckets per step
+            for entry in entries:
+                assert entry["values"].dtype == torch.float32
+                # int32 indices on the wire: counted as 4 bytes each
+                assert entry["sent_bytes"] == entry["values"].numel() * 8
+                assert entry["sent_bytes"] == message_bytes([math.prod(shapes[n]) for n in entry["names"]], 0.999)
+            sent = sum(entry["sent_bytes"] for entry in entries)
+            dense = sum(entry["dense_bytes"] for entry in entries)
+            assert dense == 4 * sum(p.numel() for p in rank["steps"][0]["before"])  # float32, all parameters
+            assert sent <= 0.01 * dense, (step, sent, dense)
+        compressed = [entry for entry in rank["trace"] if entry["sparsity"] is not None]
+        assert rank["sent_bytes"] == sum(entry["sent_bytes"] for entry in compressed)  # the state's totals
+        assert rank["dense_bytes"] == sum(entry["dense_bytes"] for entry in compressed)
+
+
+def local_gradient(record: dict, step: int) -> dict:
+    """Plain PyTorch: this rank's gradient at `step` (its batch, the parameters before the step),
+    plus the weight decay term, by parameter name."""
+    model = MLPClassifier()
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), record["steps"][step]["before"], strict=True):
+            p.copy_(value)
+    F.cross_entropy(model(record["steps"][step]["batch"][0]), record["steps"][step]["batch"][1]).backward()
+    return {name: (p.grad + WEIGHT_DECAY * p.detach()).reshape(-1) for name, p in model.named_parameters()}
+
+
+def test_sent_plus_residual_is_the_momentum_corrected_accumulated_gradient(runs):
+    shapes = shapes_of(runs["full"][0])
+    for rank in runs["full"]:
+        momentum, residual = None, {name: torch.zeros(shape).reshape(-1) for name, shape in shapes.items()}
+        for step in range(STEPS):
+            entries = entries_of(rank, step)
+            assert sorted(n for e in entries for n in e["names"]) == sorted(shapes)  # every parameter, once
+            if step < BEGIN:
+                momentum = {}
+                for entry in entries:
+                    momentum.update(split(entry["momentum"], entry, shapes))
+                continue
+            reference = local_gradient(rank, step)
+            for entry in entries:
+                grad, accumulated = split(entry["grad"], entry, shapes), split(entry["accumulated"], entry, shapes)
+                for name in entry["names"]:  # g: this rank's own gradient, weight decay folded in
+                    torch.testing.assert_close(grad[name], reference[name], rtol=1e-5, atol=1e-6)
+                for name in entry["names"]:  # v = v_residual + (m * u + g), recomputed in the same order
+                    u = momentum[name] * MOMENTUM + grad[name]
+                    assert torch.equal(accumulated[name], residual[name] + u), (step, name)
+                sent = sent_dense(entry)
+                # exactly: what was sent and what stays add up to the accumulated gradient
+                assert torch.equal(sent + entry["residual"], entry["accumulated"])
+                assert torch.count_nonzero(sent[entry["indices"]] == entry["accumulated"][entry["indices"]]) == \
+                    entry["indices"].numel()
+                assert not entry["residual"][entry["indices"]].any()  # sent entries leave the residual
+                assert not entry["momentum"][entry["indices"]].any()  # momentum factor masking
+                # per parameter, its k largest magnitudes are sent
+                sent_of, residual_of = split(sent, entry, shapes), split(entry["residual"], entry, shapes)
+                for name in entry["names"]:
+                    picked = sent_of[name][accumulated[name] != residual_of[name]]
+                    assert picked.numel() == top_k(math.prod(shapes[name]), entry["sparsity"])
+                    assert picked.abs().min() >= residual_of[name].abs().max()
+                residual.update(split(entry["residual"], entry, shapes))
+                momentum.update(split(entry["momentum"], entry, shapes))
+
+
+def test_update_is_minus_lr_times_average_of_sent_parts(runs):
+    shapes = shapes_of(runs["full"][0])
+    names = runs["full"][0]["names"]
+    for step in range(BEGIN, STEPS):
+        average = {}
+        per_rank = [entries_of(rank, step) for rank in runs["full"]]
+        for e0, e1 in zip(*per_rank, strict=True):
+            assert e0["names"] == e1["names"]
+            average.update(split((sent_dense(e0) + sent_dense(e1)) / 2, e0, shapes))
+        for rank in runs["full"]:
+            record = rank["steps"][step]
+            for name, grad, before, after in zip(names, record["grad"], record["before"], record["after"]):
+                torch.testing.assert_close(grad.reshape(-1), average[name], rtol=0, atol=1e-7)
+                # plain SGD: no momentum, no weight decay left in the optimizer
+                torch.testing.assert_close(after - before, -LR * grad, rtol=0, atol=1e-7)
+    final = [rank["steps"][-1]["after"] for rank in runs["full"]]
+    for p0, p1 in zip(*final):
+        assert torch.equal(p0, p1)  # every rank applies the same update
+
+
+def test_before_rampup_the_update_is_dense_momentum_sgd(runs):
+    ranks = runs["full"]
+    model = MLPClassifier()
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), ranks[0]["steps"][0]["before"], strict=True):
+            p.copy_(value)
+    reference = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    for step in range(BEGIN + 1):
+        for rank in ranks:
+            for p, recorded in zip(model.parameters(), rank["steps"][step]["before"], strict=True):
+                torch.testing.assert_close(recorded, p.detach(), rtol=0, atol=2e-6)
+        if step == BEGIN:
+            break
+        # The global batch's mean loss (both ranks' batches are the same size).
+        loss = sum(F.cross_entropy(model(x), y) for x, y in (rank["steps"][step]["batch"] for rank in ranks)) / 2
+        reference.zero_grad()
+        loss.backward()
+        reference.step()
+    assert all(e["sparsity"] is None for rank in ranks for e in rank["trace"] if e["step"] < BEGIN)
+
+
+def test_warmup_walks_the_sparsity_list(runs):
+    shapes = shapes_of(runs["full"][0])
+    expected = [None] * BEGIN + [0.5, 0.5, 0.9, 0.9, 0.999, 0.999] + [0.999] * (STEPS - BEGIN - RAMPUP)
+    for rank in runs["full"]:
+        seen = []
+        for step in range(STEPS):
+            sparsities = {entry["sparsity"] for entry in entries_of(rank, step)}
+            assert len(sparsities) == 1
+            seen.append(sparsities.pop())
+            for entry in entries_of(rank, step):
+                if entry["sparsity"] is not None:  # ceil(numel * (1 - sparsity)) of each parameter
+                    sizes = [math.prod(shapes[name]) for name in entry["names"]]
+                    assert entry["values"].numel() == sum(max(1, math.ceil(round(n * (1 - entry["sparsity"]), 6)))
+                                                          for n in sizes)
+        assert seen == expected
+        assert rank["final"]["step"] == STEPS
+
+
+def test_training_converges(runs):
+    losses = [step["loss"] for step in runs["converge"][0]["steps"]]
+    assert len(losses) == CONVERGE_STEPS
+    start, end = sum(losses[:4]) / 4, sum(losses[-8:]) / 8
+    assert end < 0.6 * start, (start, end, losses)
+
+
+def test_resume_restores_residuals_and_momentum(runs):
+    for rank, (first, resumed, full) in enumerate(zip(runs["first"], runs["resumed"], runs["full"])):
+        saved, restored = first["final"], resumed["restored"]
+        assert restored["step"] == saved["step"] == HALF
+        assert saved["buffers"].keys() == restored["buffers"].keys() == set(first["names"])
+        for name, entry in saved["buffers"].items():
+            assert entry["residual"].any() or name.endswith("bias")  # there is something to restore
+            assert torch.equal(restored["buffers"][name]["residual"], entry["residual"]), name
+            assert torch.equal(restored["buffers"][name]["momentum"], entry["momentum"]), name
+        # the checkpoint kept each rank's own state: the ranks' residuals differ
+        other = runs["first"][1 - rank]["final"]["buffers"]
+        assert any(not torch.equal(other[n]["residual"], e["residual"]) for n, e in saved["buffers"].items())
+        # and training on from it is the uninterrupted run, step for step
+        assert len(resumed["steps"]) == STEPS - HALF
+        for mine, reference in zip(resumed["steps"], full["steps"][HALF:], strict=True):
+            # bitwise: the same batches, the same per-parameter selections (DDP's first, not yet
+            # rebuilt, bucket layout after the restart does not matter)
+            assert all(torch.equal(a, b) for a, b in zip(mine["after"], reference["after"], strict=True))
+        for name, entry in full["final"]["buffers"].items():
+            assert torch.equal(resumed["final"]["buffers"][name]["residual"], entry["residual"]), name
+            assert torch.equal(resumed["final"]["buffers"][name]["momentum"], entry["momentum"]), name
