@@ -4,20 +4,22 @@ Layer-wise Adaptive Moments for Batch training, You et al., "Large Batch Optimiz
 Learning: Training BERT in 76 minutes", arXiv:1904.00962. `replace_optimizer` turns the user's
 Adam or AdamW into `LAMB` with the same parameter groups (betas and eps included), so
 learning-rate schedulers keep working on it.
+
+The step loop, the weight-decay exclusion by parameter name and the grouping of tensors for
+foreach ops come from plugins/layerwise.py, shared with plugins/lars.py.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 from torch import nn
 from typing_extensions import override
 
-from plugins.lars import NO_WEIGHT_DECAY, check_no_weight_decay_flags, copy_groups, grad_buckets, norm_dtype
-from runner.errors import ConfigError
+from plugins.layerwise import LayerwiseOptimizer, norm_dtype, replace_with
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(LayerwiseOptimizer):
     """Adam moments with a per-tensor ("layer-wise") trust ratio, as Paddle's lamb op.
 
     For each parameter tensor w with gradient g, at its step t = 1, 2, ... (moments m, v start
@@ -30,18 +32,16 @@ class LAMB(torch.optim.Optimizer):
         w = w - lr * trust * r
 
     with wd = `lamb_weight_decay`, or 0 for the parameters flagged in the group's
-    `no_weight_decay` list (one bool per parameter; `replace_optimizer` fills it from names).
-    Norms are L2 norms of whole tensors: the trust ratio is a property of a full layer, so a
-    sharded optimizer must all-reduce the squared norms of its shards before using them.
-
-    The update runs on `torch._foreach_*` ops over the tensors of each group (per device, dtype
-    and weight decay on/off; in chunks on the CPU), the branch above is a `torch.where`, and
-    nothing is read back to the host: the step count is a tensor on the parameter's device.
-    The state of a parameter is `step`, `exp_avg` (m) and `exp_avg_sq` (v), torch's Adam names,
-    so `state_dict()` and `load_state_dict()` round-trip. Parameters without a gradient are
-    left alone. Other keys a group may carry (`weight_decay`, `amsgrad`, ... from an Adam it
-    replaced) are kept and ignored: weight decay here is `lamb_weight_decay`.
+    `no_weight_decay` list. Norms are L2 norms of whole tensors, and the update runs on
+    foreach ops with nothing read back to the host (see LayerwiseOptimizer): the branch above
+    is a `torch.where`, and the step count is a tensor on the parameter's device. The state of
+    a parameter is `step`, `exp_avg` (m) and `exp_avg_sq` (v), torch's Adam names, so
+    `state_dict()` and `load_state_dict()` round-trip. Other keys a group may carry
+    (`weight_decay`, `amsgrad`, ... from an Adam it replaced) are kept and ignored: weight
+    decay here is `lamb_weight_decay`.
     """
+
+    weight_decay_key = "lamb_weight_decay"
 
     def __init__(
         self,
@@ -55,29 +55,9 @@ class LAMB(torch.optim.Optimizer):
             raise ValueError(f"LAMB: lr, eps and lamb_weight_decay must be >= 0, got {lr}, {eps}, {lamb_weight_decay}")
         if not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"LAMB: betas must lie in [0, 1), got {betas}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, lamb_weight_decay=lamb_weight_decay,
-                        **{NO_WEIGHT_DECAY: None})
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, lamb_weight_decay=lamb_weight_decay))
 
     @override
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        check_no_weight_decay_flags(self.param_groups[-1])
-
-    @override
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for params, grads, steps, exp_avgs, exp_avg_sqs, decays in grad_buckets(self, group, self._init_state):
-                _lamb_update(params, grads, steps, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
-                             eps=group["eps"], weight_decay=group["lamb_weight_decay"] if decays else 0.0)
-        return loss
-
     @staticmethod
     def _init_state(state: Dict[str, Any], param: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         if not state:
@@ -89,6 +69,14 @@ class LAMB(torch.optim.Optimizer):
             # optimizers); here it takes part in device-side arithmetic, so it follows the param.
             state["step"] = state["step"].to(param.device)
         return state["step"], state["exp_avg"], state["exp_avg_sq"]
+
+    @override
+    def _update_bucket(self, group: Dict[str, Any], params: List[torch.Tensor], grads: List[torch.Tensor],
+                       states: List[List[torch.Tensor]], weight_decay: float) -> None:
+        steps, exp_avgs, exp_avg_sqs = states
+        beta1, beta2 = group["betas"]
+        _lamb_update(params, grads, steps, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
+                     eps=group["eps"], weight_decay=weight_decay)
 
 
 def _lamb_update(params: List[torch.Tensor], grads: List[torch.Tensor], steps: List[torch.Tensor],
@@ -135,9 +123,7 @@ def replace_optimizer(
     contains one of `exclude_from_weight_decay`). Raises ConfigError for any other optimizer.
     The LAMB state starts empty.
     """
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ConfigError("model.optimizer", type(optimizer).__name__,
-                          "lamb needs an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW)")
-    groups = copy_groups(optimizer, model, exclude_from_weight_decay, lamb_weight_decay=lamb_weight_decay)
-    return LAMB(groups, lr=optimizer.defaults["lr"], betas=optimizer.defaults["betas"],
-                eps=optimizer.defaults["eps"], lamb_weight_decay=lamb_weight_decay)
+    return replace_with(LAMB, optimizer, model, exclude_from_weight_decay,
+                        accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),
+                        requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW)",
+                        inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay)
