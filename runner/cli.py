@@ -148,7 +148,12 @@ def run_sweep(overrides: Sequence[str]) -> int:
     if not ready:
         print("lightfleet: refused: no job of the sweep can run", file=sys.stderr)
         return 2
-    sweep_dir = Path(ready[0][2].cfg.paths.sweep_dir).expanduser().resolve()
+    from runner.records import fresh_dir, named_by_clock
+
+    first = ready[0][2].cfg
+    sweep_dir = Path(first.paths.sweep_dir).expanduser().resolve()
+    if named_by_clock(first.paths, "sweep_dir") and not first.dry_run:
+        sweep_dir = fresh_dir(sweep_dir)
     status = {}
     for number, job, spec, plan in ready:
         if spec.cfg.dry_run:

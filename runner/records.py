@@ -30,13 +30,17 @@ def create_run_dir(cfg: DictConfig, plan: Plan, overrides: Sequence[str]) -> Pat
     """Resolve the config, make its output directory and write config, plan and environment.
 
     Returns the directory holding them: the run directory, or for a second node or an externally
-    launched rank its subdirectory (runner.launch.records_subdir). Refuses one that already holds
-    a run, so nothing written earlier is overwritten.
+    launched rank its subdirectory (runner.launch.records_subdir). A directory named by the clock
+    (the default) that is taken gets a -1, -2, ... suffix; one the user named is refused if it
+    already holds a run, so nothing written earlier is overwritten.
     """
     from runner.launch import records_subdir
 
+    subdir = records_subdir(plan.world)
     run_dir = Path(cfg.paths.output_dir).expanduser().resolve()
-    records = run_dir / records_subdir(plan.world)
+    if not subdir and named_by_clock(cfg.paths, "output_dir"):
+        run_dir = fresh_dir(run_dir)
+    records = run_dir / subdir
     if (records / "config.yaml").exists():
         raise ConfigError("paths.output_dir", str(run_dir), "already holds a run; choose another directory")
     cfg.paths.output_dir = str(run_dir)  # absolute, so every rank and node agrees
@@ -46,6 +50,26 @@ def create_run_dir(cfg: DictConfig, plan: Plan, overrides: Sequence[str]) -> Pat
     write_yaml(records / "plan.yaml", {"printed": format_plan(plan).splitlines(), **plan.to_dict()})
     write_yaml(records / "env.yaml", environment(overrides))
     return records
+
+
+def named_by_clock(node: DictConfig, key: str) -> bool:
+    """Whether `node.key` is built from the `now` resolver (as the default run directories are)."""
+    return "${now:" in str(OmegaConf.to_container(node, resolve=False)[key])
+
+
+def fresh_dir(path: Path) -> Path:
+    """Create and return `path`, or `path-1`, `path-2`, ... if taken: runs started within the same
+    second (parallel launches, scripts) each get their own directory. mkdir is atomic, so two
+    processes never get the same one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate, taken = path, 0
+    while True:
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            taken += 1
+            candidate = path.with_name(f"{path.name}-{taken}")
 
 
 def environment(overrides: Sequence[str]) -> Dict[str, Any]:
