@@ -2,7 +2,7 @@
 training step, against DDP's dense float32 all-reduce, in 2 processes over gloo.
 
     python bench/comm.py                        # every benchmark, results in bench/comm.json
-    python bench/comm.py fp16_allreduce --steps 10 --out /tmp/comm.json
+    python bench/comm.py fp16_allreduce --steps 10 --out comm-fp16.json
 
 The model is a ResNet-like gradient set (runner.models.ResNetClassifier, widths 64/128/256, two
 blocks per stage: 2.8M parameters) trained with plain SGD on random 3x32x32 images, in

@@ -2,7 +2,7 @@
 data, trainer settings, loggers and checkpointing as `lightfleet experiment=quickstart`, with no
 lightfleet code in the loop (only the built-in model and data classes, which are plain Lightning).
 
-    python bench/handwritten.py --steps 300 --out /tmp/handwritten
+    python bench/handwritten.py --steps 300 --out handwritten-run
 """
 import argparse
 

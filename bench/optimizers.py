@@ -8,7 +8,7 @@ the same gradients; each ratio is the median over the back-to-back pairs of loop
 script checks that both sides end with the same parameters. Default torch threads.
 
     python bench/optimizers.py                          # 9 repeats, bench/optimizers.json
-    python bench/optimizers.py --repeats 5 --out /tmp/optimizers.json --width-divisors 1
+    python bench/optimizers.py --repeats 5 --out optimizers-full.json --width-divisors 1
 """
 from __future__ import annotations
 
