@@ -289,13 +289,8 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 def build_hook(rampup_begin_step: int = 0, rampup_step: int = 1,
                sparsity: Sequence[float] = (0.999,)) -> Tuple[DGCState, Callable]:
-    """(state, hook) for `DistributedDataParallel.register_comm_hook`, over the default group."""
-    if rampup_begin_step < 0:
-        raise ConfigError("strategy.dgc.rampup_begin_step", rampup_begin_step, "must be >= 0")
-    if rampup_step < 1:
-        raise ConfigError("strategy.dgc.rampup_step", rampup_step, "must be >= 1")
-    if not sparsity or not all(0 <= s < 1 for s in sparsity):
-        raise ConfigError("strategy.dgc.sparsity", list(sparsity), "a non-empty list of values in [0, 1)")
+    """(state, hook) for `DistributedDataParallel.register_comm_hook`, over the default group.
+    The knobs are checked by the schema (runner.schema.DGCConfig) before any process starts."""
     return DGCState(rampup_begin_step, rampup_step, sparsity), dgc_hook
 
 

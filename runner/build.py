@@ -30,6 +30,9 @@ from runner.errors import ConfigError
 from runner.plan import Plan
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+# A scheduler re-pointed by `replace_optimizers` warns that its optimizer's step "has been
+# overridden": the replacement is deliberate, and the scheduler still steps after the optimizer.
+warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been overridden")
 
 
 @dataclass
@@ -125,9 +128,6 @@ def replace_optimizers(model: pl.LightningModule, replace: Callable[[Optimizer],
         return value
 
     model.configure_optimizers = lambda: swap(configure())
-    # A re-pointed scheduler warns that its optimizer's step "has been overridden": the
-    # replacement is deliberate, and the scheduler still steps after the optimizer.
-    warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been overridden")
 
 
 def loggers(cfg: DictConfig) -> List[Any]:

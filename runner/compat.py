@@ -6,6 +6,7 @@ of a second, before any process starts.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ class Table:
     reasons: Dict[FrozenSet[str], str]
 
 
+@functools.lru_cache(maxsize=None)  # read once per process, however many sweep jobs are checked
 def load_table(conf_dir: Path = CONF_DIR) -> Table:
     raw = yaml.safe_load((conf_dir / "compat.yaml").read_text())
     known = tuple(raw["known"])

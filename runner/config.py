@@ -135,9 +135,10 @@ def _explain(error: Exception) -> ConfigError:
 def _schema_keys(parent: str) -> List[str]:
     """Field names of the schema node at dotted path `parent` (for "did you mean")."""
     node: Any = OmegaConf.structured(schema.RunConfig)
+    strategies = schema.strategy_schemas()
     for part in filter(None, parent.split(".")):
-        if parent.startswith("strategy.") and part in schema.strategy_schemas():
-            node = OmegaConf.structured(schema.strategy_schemas()[part])
+        if parent.startswith("strategy.") and part in strategies:
+            node = OmegaConf.structured(strategies[part])
             continue
         node = node.get(part) if isinstance(node, DictConfig) else None
         if node is None:

@@ -35,6 +35,12 @@ def test_strategy_knobs_keep_fleet_defaults_and_take_overrides(spec_for):
     (["strategy=[amp]", "strategy.amp.incr_ratio=abc"], r"^strategy.amp.incr_ratio='abc': .*Float"),
     (["strategy=[gradient_merge]", "strategy.gradient_merge.k_steps=0"], r"k_steps=0: must be >= 1$"),
     (["strategy=[recompute]", "strategy.recompute.enable_offload=maybe"], r"enable_offload='maybe'"),
+    (["strategy=[dgc]", "strategy.dgc.rampup_step=0"], r"^strategy.dgc.rampup_step=0: must be >= 1$"),
+    (["strategy=[dgc]", "strategy.dgc.rampup_begin_step=-1"], r"^strategy.dgc.rampup_begin_step=-1: must be >= 0$"),
+    (["strategy=[dgc]", "strategy.dgc.sparsity=[0.5,1.0]"], r"^strategy.dgc.sparsity=\[0.5, 1.0\]: a non-empty list"),
+    (["strategy=[fp16_allreduce]", "strategy.fp16_allreduce.dtype=fp8"], r"^strategy.fp16_allreduce.dtype='fp8': allowed"),
+    (["strategy=[lars]", "strategy.lars.lars_coeff=0"], r"^strategy.lars.lars_coeff=0.0: must be > 0$"),
+    (["strategy=[localsgd]", "strategy.localsgd.k_steps=0"], r"^strategy.localsgd.k_steps=0: must be >= 1$"),
     (["model=mlpp"], r"^model='mlpp': no such option; choose from: gpt, mlp, resnet \(did you mean mlp\?\)$"),
     (["experiment=quikstart"], r"experiment='quikstart'.*did you mean quickstart"),
 ])
