@@ -36,10 +36,15 @@ class ClassifierModule(pl.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of `forward`'s output against the targets (pipeline parallelism
+        calls it on the last stage, once per micro-batch)."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
     def _loss_and_accuracy(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = batch
         logits = self(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = self.loss(logits, targets)
         accuracy = (logits.argmax(-1) == targets).float().mean()
         return loss, accuracy
 
@@ -155,18 +160,24 @@ class ResNetClassifier(ClassifierModule):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. Separate q, k, v projections and views sized by
+    `head_dim` (not by the number of heads) let tensor parallelism split the heads by
+    splitting the projections' output features."""
+
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head_dim = d_model // n_heads
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        # [B, T, 3 * D] -> three tensors [B, heads, T, D / heads]
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, dim // self.n_heads).permute(2, 0, 3, 1, 4)
+        batch, length, _ = x.shape
+        # [B, T, heads * head_dim] -> [B, heads, T, head_dim]
+        q, k, v = (f(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, length, dim))
+        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
 class DecoderBlock(nn.Module):
