@@ -94,7 +94,7 @@ def prepare(overrides: Sequence[str]):
 
     spec = validate(compose_config(overrides))
     check(list(spec.strategies), load_table())
-    plan = make_plan(spec.strategies, spec.trainer)
+    plan = make_plan(spec.strategies, spec.trainer, spec.batch_size)
     check_multi_node(plan.world)
     return spec, plan
 

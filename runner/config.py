@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -31,6 +31,12 @@ class RunSpec:
     cfg: DictConfig  # merged onto the schema; interpolations not yet resolved
     strategies: Dict[str, Any]  # name -> schema dataclass instance, in selection order
     trainer: schema.TrainerConfig
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        """The data's batch size per step and process, when its config has one."""
+        value = self.cfg.data.get("batch_size")
+        return value if isinstance(value, int) else None
 
 
 def _register_configs() -> None:

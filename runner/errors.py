@@ -25,5 +25,6 @@ class Refusal(Exception):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.75)
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
+    by_lower = {choice.lower(): choice for choice in choices}  # 1f1b -> 1F1B: case is a typo too
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(by_lower[c] for c in close)}?)" if close else ""

@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from typing_extensions import override
 
 # A torch optimizer class with its hyper-parameters bound, waiting for the parameters:
@@ -216,6 +217,15 @@ class GPTDecoder(ClassifierModule):
         self.blocks = nn.ModuleList(DecoderBlock(d_model, n_heads) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
+
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        """How tensor parallelism splits the decoder (torchtitan's plan without sequence parallelism):
+        q, k, v and the first MLP layer by output features (whole heads per rank), the attention
+        projection and the second MLP layer by input features, whose partial sums are all-reduced.
+        Embeddings, norms and the head stay replicated, so the logits and the loss are as usual."""
+        return {"blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(),
+                "blocks.*.attn.v": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),
+                "blocks.*.mlp.0": ColwiseParallel(), "blocks.*.mlp.2": RowwiseParallel()}
 
     @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

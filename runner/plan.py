@@ -39,6 +39,16 @@ class Component:
         return getattr(importlib.import_module(module), attr)
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """What a strategy may need to know about the run to contribute: the processes
+    (`world_of`) and the data's batch size per step and process (None when the data config
+    has no `batch_size`)."""
+
+    world: Dict[str, Any]
+    batch_size: Optional[int] = None
+
+
 @dataclass
 class Contribution:
     """What one strategy adds to the plan (returned by its schema's `contribute()`)."""
@@ -87,19 +97,21 @@ def world_of(trainer: Any) -> Dict[str, Any]:
     return {"devices": per_node, "num_nodes": trainer.num_nodes, "world_size": world_size}
 
 
-def make_plan(strategies: Dict[str, Any], trainer: Any) -> Plan:
+def make_plan(strategies: Dict[str, Any], trainer: Any, batch_size: Optional[int] = None) -> Plan:
     """Combine the selected strategies' contributions into one plan.
 
     `strategies` maps name -> validated schema object (in selection order); `trainer` is the
-    validated TrainerConfig. Raises Refusal when two strategies claim one exclusive slot or one
+    validated TrainerConfig; `batch_size` the data's batch size, if known. A strategy whose
+    knobs do not fit the run (degrees against the world size) raises ConfigError. Raises Refusal when two strategies claim one exclusive slot or one
     trainer argument, or a strategy's trainer argument contradicts the user's own setting.
     """
     from runner.schema import TrainerConfig  # the user's trainer defaults, to tell set from unset
 
     plan = Plan(strategies=list(strategies), world=world_of(trainer))
+    run = RunShape(plan.world, batch_size)
     defaults = TrainerConfig()
     for name, knobs in strategies.items():
-        contribution: Contribution = knobs.contribute()
+        contribution: Contribution = knobs.contribute(run)
         for slot in EXCLUSIVE_SLOTS:
             component = getattr(contribution, slot)
             if component is None:

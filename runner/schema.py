@@ -6,7 +6,7 @@ out-of-range value is refused before anything heavy is imported. Each field is d
 by the string right under it (the source of docs/knobs.md).
 
 A strategy is one dataclass here: Fleet's knob names and defaults, range checks in
-`__post_init__`, and `contribute()`, which says — as plain data — what the strategy adds to
+`__post_init__`, and `contribute(run)`, which says — as plain data — what the strategy adds to
 the plan (see runner/plan.py for the slots).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional
 
 from runner.errors import ConfigError
-from runner.plan import Component, Contribution
+from runner.plan import Component, Contribution, RunShape
 
 
 def require(ok: bool, key: str, value: Any, allowed: str, choices: tuple = ()) -> None:
@@ -64,7 +64,7 @@ class AmpConfig:
         both = set(self.custom_white_list) & set(self.custom_black_list)
         require(not both, key + "custom_white_list", sorted(both), "names also in custom_black_list")
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         knobs = asdict(self)
         lists = {k: knobs.pop(k) for k in ("custom_white_list", "custom_black_list")}
         contribution = Contribution(precision=Component("plugins.amp:build_precision", knobs))
@@ -90,7 +90,7 @@ class RecomputeConfig:
     checkpoint_shape: List[int] = field(default_factory=list)
     """Accepted for Fleet compatibility; PyTorch checkpointing needs no static shapes."""
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         contribution = Contribution()
         contribution.model_transforms.append(
             ("recompute", Component("plugins.recompute:apply_recompute",
@@ -119,7 +119,7 @@ class GradientMergeConfig:
     def __post_init__(self) -> None:
         require(self.k_steps >= 1, "strategy.gradient_merge.k_steps", self.k_steps, "must be >= 1")
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         contribution = Contribution(trainer_args={"accumulate_grad_batches": self.k_steps})
         if not self.avg:
             contribution.callbacks.append(Component("plugins.gradient_merge:GradientSum", {"k_steps": self.k_steps}))
@@ -150,7 +150,7 @@ class LarsConfig:
         require(self.lars_weight_decay >= 0, "strategy.lars.lars_weight_decay", self.lars_weight_decay, "must be >= 0")
         require(self.epsilon >= 0, "strategy.lars.epsilon", self.epsilon, "must be >= 0")
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         return Contribution(optimizer=Component("plugins.lars:replace_optimizer", asdict(self)))
 
 
@@ -170,7 +170,7 @@ class LambConfig:
     def __post_init__(self) -> None:
         require(self.lamb_weight_decay >= 0, "strategy.lamb.lamb_weight_decay", self.lamb_weight_decay, "must be >= 0")
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         return Contribution(optimizer=Component("plugins.lamb:replace_optimizer", asdict(self)))
 
 
@@ -191,7 +191,7 @@ class LocalSGDConfig:
         require(self.k_steps >= 1, "strategy.localsgd.k_steps", self.k_steps, "must be >= 1")
         require(self.begin_step >= 1, "strategy.localsgd.begin_step", self.begin_step, "must be >= 1")
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         return Contribution(
             comm_hook=Component("plugins.localsgd:build_hook", {"begin_step": self.begin_step}),
             callbacks=[Component("plugins.localsgd:ModelAveraging", asdict(self))])
@@ -214,7 +214,7 @@ class AdaptiveLocalSGDConfig:
         require(self.init_k_steps >= 1, "strategy.adaptive_localsgd.init_k_steps", self.init_k_steps, "must be >= 1")
         require(self.begin_step >= 1, "strategy.adaptive_localsgd.begin_step", self.begin_step, "must be >= 1")
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         return Contribution(
             comm_hook=Component("plugins.localsgd:build_hook", {"begin_step": self.begin_step}),
             callbacks=[Component("plugins.adaptive_localsgd:AdaptiveModelAveraging", asdict(self))])
@@ -242,7 +242,7 @@ class DGCConfig:
         require(bool(self.sparsity) and all(0 <= s < 1 for s in self.sparsity), "strategy.dgc.sparsity",
                 list(self.sparsity), "a non-empty list of values in [0, 1)")
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         return Contribution(optimizer=Component("plugins.dgc:replace_optimizer", {}),
                             comm_hook=Component("plugins.dgc:build_hook", asdict(self)),
                             callbacks=[Component("plugins.dgc:DGCCheckpoint", {})])
@@ -262,8 +262,152 @@ class FP16AllreduceConfig:
         require(self.dtype in ("float16", "bfloat16"), "strategy.fp16_allreduce.dtype", self.dtype,
                 "allowed: float16, bfloat16", ("float16", "bfloat16"))
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run: RunShape) -> Contribution:
         return Contribution(comm_hook=Component("plugins.fp16_allreduce:build_hook", asdict(self)))
+
+
+def known_world_size(run: RunShape, key: str) -> int:
+    """The run's process count, which model-parallel strategies need before anything starts."""
+    world = run.world
+    require(isinstance(world["world_size"], int), "trainer.devices", world["devices"],
+            f"{key} needs a known process count: set trainer.devices to a number")
+    return world["world_size"]
+
+
+@dataclass
+class ShardingConfig:
+    """ZeRO sharding (Fleet: `strategy.sharding`, `sharding_configs`; Rajbhandari et al. 2020):
+    each of `degree` ranks keeps 1/degree of the optimizer states (stage 1), also of the
+    gradients (stage 2), and also of the parameters (stage 3). Stage 1 is DDP with torch's
+    ZeroRedundancyOptimizer; stages 2 and 3 are FSDP2 (`fully_shard`) on a device mesh.
+    dp_degree x degree x mp_degree x pp_degree must equal the number of processes."""
+
+    name: ClassVar[str] = "sharding"
+
+    stage: int = 1
+    """1: optimizer states sharded; 2: + gradients (parameters gathered once per step and kept
+    until backward ends); 3: + parameters (gathered unit by unit in forward and in backward)."""
+    degree: Optional[int] = None
+    """Ranks in one sharding group (None: every rank left after dp_degree, mp_degree, pp_degree)."""
+    dp_degree: int = 1
+    """Replica groups on top of the sharding groups (hybrid sharding on a 2-D device mesh:
+    gradients reduced within a group, then averaged across the dp_degree replicas)."""
+    mp_degree: int = 1
+    """Tensor-parallel degree (stages 2 and 3): the model's `tensor_parallel_plan()` splits its
+    layers over this many ranks (the built-in GPT has one)."""
+    pp_degree: int = 1
+    """Pipeline degree, counted in the degree product. Must be 1: pipeline with sharding is not
+    an allowed combination (conf/compat.yaml says why)."""
+    optimize_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer states in host memory; the device
+    holds only what computes (FSDP2 CPUOffloadPolicy; stages 2 and 3)."""
+    gradient_merge_acc_step: int = 1
+    """Micro-batches accumulated per optimizer step; gradients are reduced on the last one only
+    (sets trainer.accumulate_grad_batches)."""
+    segment_broadcast_MB: float = 32.0
+    """Size of a sharded unit (stages 2 and 3): consecutive modules are grouped until about this
+    many MB of parameters, which are gathered together."""
+
+    def __post_init__(self) -> None:
+        key = "strategy.sharding."
+        require(self.stage in (1, 2, 3), key + "stage", self.stage, "allowed: 1, 2, 3")
+        require(self.degree is None or self.degree >= 1, key + "degree", self.degree, "must be >= 1 (or null: auto)")
+        for name in ("dp_degree", "mp_degree", "gradient_merge_acc_step"):
+            require(getattr(self, name) >= 1, key + name, getattr(self, name), "must be >= 1")
+        require(self.pp_degree == 1, key + "pp_degree", self.pp_degree,
+                "must be 1: pipeline with sharding is not an allowed combination")
+        require(self.mp_degree == 1 or self.stage >= 2, key + "mp_degree", self.mp_degree,
+                "tensor parallelism needs stage 2 or 3 (FSDP2 on a device mesh); stage 1 is DDP")
+        require(not self.optimize_offload or self.stage >= 2, key + "optimize_offload", self.optimize_offload,
+                "offload needs stage 2 or 3 (FSDP2 CPUOffloadPolicy)")
+        require(self.segment_broadcast_MB > 0, key + "segment_broadcast_MB", self.segment_broadcast_MB, "must be > 0")
+
+    def degrees(self, world_size: int) -> Dict[str, int]:
+        """The four degrees with `degree` resolved; their product must be the world size."""
+        others = self.dp_degree * self.mp_degree * self.pp_degree
+        degree = self.degree if self.degree is not None else max(1, world_size // others)
+        degrees = {"dp_degree": self.dp_degree, "degree": degree, "mp_degree": self.mp_degree,
+                   "pp_degree": self.pp_degree}
+        product = others * degree
+        require(product == world_size, "strategy.sharding.degree", degree,
+                f"dp_degree x degree x mp_degree x pp_degree = {' x '.join(map(str, degrees.values()))} = "
+                f"{product}, but the run has {world_size} process(es)")
+        return degrees
+
+    def contribute(self, run: RunShape) -> Contribution:
+        degrees = self.degrees(known_world_size(run, "sharding"))
+        kwargs = {"stage": self.stage, **{k: v for k, v in degrees.items() if k != "pp_degree"},
+                  "optimize_offload": self.optimize_offload, "segment_broadcast_MB": self.segment_broadcast_MB}
+        contribution = Contribution(lightning_strategy=Component("plugins.sharding:build_sharding", kwargs))
+        if self.gradient_merge_acc_step > 1:
+            contribution.trainer_args["accumulate_grad_batches"] = self.gradient_merge_acc_step
+        return contribution
+
+
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
+# Stages each process holds, by schedule: interleaved schedules loop over several.
+STAGES_PER_PROCESS = {"1F1B": "1", "GPipe": "1", "Interleaved1F1B": ">= 2", "ZBVZeroBubble": "2"}
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline parallelism (Fleet: `paddle.distributed.Strategy().pipeline`): the model is cut
+    into stages held by different processes, and each batch flows through them in
+    micro-batches on a torch.distributed.pipelining schedule. The last stage computes the loss
+    with the model's `loss(outputs, targets)`; the model's `training_step` is not called."""
+
+    name: ClassVar[str] = "pipeline"
+
+    schedule_mode: str = "1F1B"
+    """1F1B (one forward one backward: at most `stages` micro-batches of activations alive),
+    GPipe (all forwards, then all backwards), Interleaved1F1B (vpp_degree stages per process,
+    smaller bubble) or ZBVZeroBubble (2 stages per process in a V, weight gradients deferred to
+    fill the bubble)."""
+    micro_batch_size: Optional[int] = None
+    """Samples per micro-batch (None: the data's batch_size / accumulate_steps)."""
+    accumulate_steps: int = 4
+    """Micro-batches per optimizer step (Fleet's default is 1, which leaves nothing to overlap);
+    micro_batch_size x accumulate_steps must equal the data's batch_size."""
+    split_points: List[str] = field(default_factory=list)
+    """Qualified module names where a new stage begins (like Fleet's device_guard). Empty: the
+    model's repeated block list is cut into stages of about equal parameter count."""
+    vpp_degree: int = 1
+    """Stages per process: 1 for 1F1B and GPipe, >= 2 for Interleaved1F1B, 2 for ZBVZeroBubble."""
+
+    def __post_init__(self) -> None:
+        key = "strategy.pipeline."
+        require(self.schedule_mode in SCHEDULES, key + "schedule_mode", self.schedule_mode,
+                f"allowed: {', '.join(SCHEDULES)}", SCHEDULES)
+        require(self.micro_batch_size is None or self.micro_batch_size >= 1, key + "micro_batch_size",
+                self.micro_batch_size, "must be >= 1 (or null: batch_size / accumulate_steps)")
+        require(self.accumulate_steps >= 1, key + "accumulate_steps", self.accumulate_steps, "must be >= 1")
+        stages = STAGES_PER_PROCESS[self.schedule_mode]
+        fits = self.vpp_degree >= 2 if stages == ">= 2" else self.vpp_degree == int(stages)
+        require(fits, key + "vpp_degree", self.vpp_degree, f"schedule_mode={self.schedule_mode} needs {stages}")
+
+    def micro_batch(self, batch_size: Optional[int]) -> int:
+        """micro_batch_size, resolved from the data's batch size and checked against it."""
+        key = "strategy.pipeline."
+        if batch_size is None:
+            require(self.micro_batch_size is not None, key + "micro_batch_size", None,
+                    "required: the data config has no batch_size to derive it from")
+            return self.micro_batch_size
+        if self.micro_batch_size is None:
+            require(batch_size % self.accumulate_steps == 0, key + "accumulate_steps", self.accumulate_steps,
+                    f"must divide data.batch_size={batch_size} into equal micro-batches")
+            return batch_size // self.accumulate_steps
+        product = self.micro_batch_size * self.accumulate_steps
+        require(product == batch_size, key + "micro_batch_size", self.micro_batch_size,
+                f"micro_batch_size x accumulate_steps = {self.micro_batch_size} x {self.accumulate_steps} = "
+                f"{product}, but data.batch_size={batch_size}")
+        return self.micro_batch_size
+
+    def contribute(self, run: RunShape) -> Contribution:
+        known_world_size(run, "pipeline")
+        kwargs = {"schedule_mode": self.schedule_mode, "micro_batch_size": self.micro_batch(run.batch_size),
+                  "accumulate_steps": self.accumulate_steps, "split_points": list(self.split_points),
+                  "vpp_degree": self.vpp_degree}
+        return Contribution(lightning_strategy=Component("plugins.pipeline:build_pipeline", kwargs))
 
 
 @dataclass
@@ -279,6 +423,8 @@ class StrategyConfig:
     adaptive_localsgd: Optional[AdaptiveLocalSGDConfig] = None
     dgc: Optional[DGCConfig] = None
     fp16_allreduce: Optional[FP16AllreduceConfig] = None
+    sharding: Optional[ShardingConfig] = None
+    pipeline: Optional[PipelineConfig] = None
 
 
 # --------------------------------------------------------------------------- the run

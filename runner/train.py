@@ -33,7 +33,7 @@ def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
 def train_from(records: Path) -> Dict[str, Any]:
     """Train from the config.yaml in `records` (every rank derives the same plan from it)."""
     spec = validate(OmegaConf.load(records / "config.yaml"))
-    return train(spec, make_plan(spec.strategies, spec.trainer))
+    return train(spec, make_plan(spec.strategies, spec.trainer, spec.batch_size))
 
 
 if __name__ == "__main__":

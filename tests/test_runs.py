@@ -72,7 +72,7 @@ def test_sweep_of_two_combinations_in_two_processes_skips_refused_jobs(lightflee
 
 
 def test_refusals_are_reported_before_the_first_job_trains(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "runner", "-m", "strategy=[amp],[pipeline],[lars,lamb]",
+    done = subprocess.run([sys.executable, "-m", "runner", "-m", "strategy=[amp],[auto],[lars,lamb]",
                            "paths.sweep_dir=sweep", "trainer.enable_progress_bar=false", "trainer.max_steps=2"],
                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]

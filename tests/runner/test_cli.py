@@ -37,8 +37,21 @@ def test_refused_combination_exits_2_before_hydra_or_torch(lightfleet):
 
 
 def test_strategy_without_plugin_is_refused_by_name(lightfleet):
-    assert_one_line_error(lightfleet("strategy=[amp,pipeline,sharding]"),
-                          "lightfleet: refused: pipeline, sharding are not available yet")
+    assert_one_line_error(lightfleet("strategy=[amp,auto]"), "lightfleet: refused: auto is not available yet")
+
+
+def test_pipeline_with_sharding_is_refused_with_the_reason(lightfleet):
+    assert_one_line_error(lightfleet("strategy=[pipeline,sharding]"),
+                          "lightfleet: refused: pipeline+sharding is not an allowed combination",
+                          "sharding stage >= 2 would re-gather them for every micro-batch")
+
+
+def test_degree_product_is_checked_before_any_process_starts(lightfleet, tmp_path):
+    done = lightfleet("strategy=[sharding]", "trainer.devices=2", "strategy.sharding.dp_degree=2",
+                      "strategy.sharding.degree=2", "paths.output_dir=run")
+    assert_one_line_error(done, "strategy.sharding.degree=2: dp_degree x degree x mp_degree x pp_degree = "
+                                "2 x 2 x 1 x 1 = 4, but the run has 2 process(es)")
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_strategy_suggests_a_name(lightfleet):
@@ -90,7 +103,8 @@ def test_multi_node_without_rendezvous_address_is_refused_before_spawning(lightf
 def test_help_lists_groups_strategies_and_experiments(lightfleet):
     done = lightfleet("--help")
     assert done.returncode == 0
-    assert "strategies available: adaptive_localsgd, amp, dgc, fp16_allreduce, gradient_merge, lamb, lars, localsgd, recompute" in done.stdout
+    assert ("strategies available: adaptive_localsgd, amp, dgc, fp16_allreduce, gradient_merge, lamb, lars, "
+            "localsgd, pipeline, recompute, sharding") in done.stdout
     assert "quickstart" in done.stdout
 
 

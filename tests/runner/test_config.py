@@ -41,6 +41,13 @@ def test_strategy_knobs_keep_fleet_defaults_and_take_overrides(spec_for):
     (["strategy=[fp16_allreduce]", "strategy.fp16_allreduce.dtype=fp8"], r"^strategy.fp16_allreduce.dtype='fp8': allowed"),
     (["strategy=[lars]", "strategy.lars.lars_coeff=0"], r"^strategy.lars.lars_coeff=0.0: must be > 0$"),
     (["strategy=[localsgd]", "strategy.localsgd.k_steps=0"], r"^strategy.localsgd.k_steps=0: must be >= 1$"),
+    (["strategy=[sharding]", "strategy.sharding.stage=4"], r"^strategy.sharding.stage=4: allowed: 1, 2, 3$"),
+    (["strategy=[sharding]", "strategy.sharding.pp_degree=2"], r"^strategy.sharding.pp_degree=2: must be 1: pipeline"),
+    (["strategy=[sharding]", "strategy.sharding.mp_degree=2"], r"^strategy.sharding.mp_degree=2: tensor parallelism needs stage 2 or 3"),
+    (["strategy=[sharding]", "strategy.sharding.optimize_offload=true"], r"optimize_offload=True: offload needs stage 2 or 3"),
+    (["strategy=[pipeline]", "strategy.pipeline.schedule_mode=1f1b"], r"schedule_mode='1f1b': allowed: 1F1B, GPipe, Interleaved1F1B, ZBVZeroBubble \(did you mean 1F1B"),
+    (["strategy=[pipeline]", "strategy.pipeline.schedule_mode=Interleaved1F1B"], r"^strategy.pipeline.vpp_degree=1: schedule_mode=Interleaved1F1B needs >= 2$"),
+    (["strategy=[pipeline]", "strategy.pipeline.accumulate_steps=0"], r"^strategy.pipeline.accumulate_steps=0: must be >= 1$"),
     (["model=mlpp"], r"^model='mlpp': no such option; choose from: gpt, mlp, resnet \(did you mean mlp\?\)$"),
     (["experiment=quikstart"], r"experiment='quikstart'.*did you mean quickstart"),
 ])
@@ -56,8 +63,8 @@ def test_knob_of_unselected_strategy_is_an_error(spec_for):
 
 
 def test_unavailable_strategy_in_config_is_refused_by_name(spec_for):
-    with pytest.raises(Refusal, match="sharding is not available yet"):
-        spec_for("strategy=[sharding]")
+    with pytest.raises(Refusal, match="auto is not available yet"):
+        spec_for("strategy=[auto]")
 
 
 def test_trainer_schema_covers_lightning_trainer():

@@ -5,9 +5,10 @@ import dataclasses
 
 import pytest
 
-from runner.errors import Refusal
+from runner.errors import ConfigError, Refusal
 from runner.plan import Component, Contribution, format_plan, make_plan
-from runner.schema import AmpConfig, GradientMergeConfig, RecomputeConfig, TrainerConfig
+from runner.schema import (AmpConfig, GradientMergeConfig, PipelineConfig, RecomputeConfig, ShardingConfig,
+                           TrainerConfig)
 
 
 @dataclasses.dataclass
@@ -15,7 +16,7 @@ class Claims:
     """A stand-in strategy schema whose contribution is given directly."""
     contribution: Contribution
 
-    def contribute(self) -> Contribution:
+    def contribute(self, run) -> Contribution:
         return self.contribution
 
 
@@ -70,3 +71,39 @@ def test_communication_strategies_run_under_ddp_even_in_one_process():
     assert plan.lightning_strategy.component.target == "plugins.ddp:build_ddp"
     with pytest.raises(Refusal, match="lars and dgc both set the optimizer"):
         make_plan({"lars": LarsConfig(), "dgc": DGCConfig()}, TrainerConfig())
+
+
+def test_sharding_degree_defaults_to_the_ranks_left_and_the_product_must_be_the_world():
+    plan = make_plan({"sharding": ShardingConfig(stage=2, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
+    kwargs = plan.lightning_strategy.component.kwargs
+    assert (kwargs["dp_degree"], kwargs["degree"], kwargs["mp_degree"]) == (2, 4, 1)
+    with pytest.raises(ConfigError, match=r"^strategy.sharding.degree=3: dp_degree x degree x mp_degree x pp_degree = "
+                                          r"2 x 3 x 1 x 1 = 6, but the run has 8 process\(es\)$"):
+        make_plan({"sharding": ShardingConfig(degree=3, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
+    with pytest.raises(ConfigError, match=r"^strategy.sharding.degree=1: .* = 3 x 1 x 1 x 1 = 3, but the run has 2"):
+        make_plan({"sharding": ShardingConfig(dp_degree=3)}, TrainerConfig(devices=2))
+    with pytest.raises(ConfigError, match=r"^trainer.devices='auto': sharding needs a known process count"):
+        make_plan({"sharding": ShardingConfig()}, TrainerConfig(devices="auto"))
+
+
+def test_sharding_accumulation_is_a_trainer_argument():
+    plan = make_plan({"sharding": ShardingConfig(gradient_merge_acc_step=4)}, TrainerConfig(devices=2))
+    assert plan.trainer_args["accumulate_grad_batches"] == {"value": 4, "by": "sharding"}
+
+
+@pytest.mark.parametrize("knobs, batch_size, micro", [({}, 32, 8), ({"micro_batch_size": 4, "accumulate_steps": 8}, 32, 4),
+                                                      ({"micro_batch_size": 2}, None, 2)])
+def test_pipeline_micro_batch_is_derived_from_the_data_batch(knobs, batch_size, micro):
+    plan = make_plan({"pipeline": PipelineConfig(**knobs)}, TrainerConfig(devices=2), batch_size)
+    assert plan.lightning_strategy.component.kwargs["micro_batch_size"] == micro
+
+
+@pytest.mark.parametrize("knobs, batch_size, message", [
+    ({"micro_batch_size": 4}, 32, r"^strategy.pipeline.micro_batch_size=4: micro_batch_size x accumulate_steps = "
+                                  r"4 x 4 = 16, but data.batch_size=32$"),
+    ({"accumulate_steps": 5}, 32, r"^strategy.pipeline.accumulate_steps=5: must divide data.batch_size=32"),
+    ({}, None, r"^strategy.pipeline.micro_batch_size: required: the data config has no batch_size"),
+])
+def test_inconsistent_pipeline_batch_sizes_are_refused_with_the_arithmetic(knobs, batch_size, message):
+    with pytest.raises(ConfigError, match=message):
+        make_plan({"pipeline": PipelineConfig(**knobs)}, TrainerConfig(devices=2), batch_size)
