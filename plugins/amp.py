@@ -12,6 +12,7 @@ import types
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.plugins.precision import MixedPrecision
 from torch import nn
@@ -31,6 +32,12 @@ class FleetGradScaler(torch.amp.GradScaler):
     multiplied by `incr_ratio` if that stays finite, and good_steps becomes 0. torch's own rule
     differs: it backs off on every overflow, without a floor. With
     `use_dynamic_loss_scaling=False` the scale stays at `init_loss_scaling`.
+
+    In a process group of more than one rank, the overflow flag is all-reduced (max) at
+    unscaling, so every rank skips the same steps and keeps the same scale: a rank holding
+    only a shard of the gradients (sharding) or of the model (pipeline) may be the only one
+    to see an inf, and a sharded optimizer's step is itself a collective. Sharded (DTensor)
+    gradients are unscaled by torch's own foreach kernel, which DTensor supports.
 
     Fleet's knobs are kept in the base class's fields (init_loss_scaling = init_scale,
     incr_ratio = growth_factor, decr_ratio = backoff_factor, incr_every_n_steps =
@@ -60,6 +67,20 @@ class FleetGradScaler(torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._bad_steps = torch.full((), self._init_bad_steps, dtype=torch.int32, device=dev)
+
+    @override
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # One scalar per rank on the scale's device (where the backend reduces); a rank
+            # without gradients still takes part, and gets the flag to skip with the others.
+            flag = torch.stack([found_inf, *(f.to(found_inf.device) for f in per_device.values())]).amax()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            per_device.setdefault(found_inf.device, found_inf)
+            for device_flag in per_device.values():
+                device_flag.copy_(flag)
+        return per_device
 
     @override
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:

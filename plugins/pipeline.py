@@ -114,3 +114,188 @@ def balanced_cuts(weights: list[int], parts: int) -> list[int]:
                    for cut in range(start + 1, len(weights) - runs + 2))
 
     return list(best(0, parts)[1])
+
+
+class PipelineStrategy(ModelParallelStrategy):
+    """One pipeline rank per process running `schedule_mode` over `accumulate_steps` micro-batches
+    of `micro_batch_size` samples per optimizer step; stages begin at `split_points` (balanced
+    over the repeated blocks when empty), `vpp_degree` of them per rank.
+
+    ModelParallelStrategy brings the process group, the launcher and the distributed checkpoint;
+    its data-parallel size is 1, so every rank reads the same batches.
+    """
+
+    def __init__(self, schedule_mode: str, micro_batch_size: int, accumulate_steps: int, split_points: list[str],
+                 vpp_degree: int) -> None:
+        super().__init__(data_parallel_size=1)
+        self.schedule_mode = schedule_mode
+        self.micro_batch_size = micro_batch_size
+        self.accumulate_steps = accumulate_steps
+        self.split_points = list(split_points)
+        self.vpp_degree = vpp_degree
+        self.schedule: Any = None
+        self.stage_ranks: list[int] = []
+        self._micro_batch_losses: list[torch.Tensor] = []
+
+    @override
+    def setup_environment(self) -> None:
+        # The device mesh's second dimension spans all ranks (nothing in this strategy uses it).
+        self._tensor_parallel_size = self.world_size
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._refuse_unsupported(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        # Before tracing: moving a buffer replaces it, and the stages must share the model's.
+        self.model_to_device()
+        self._build_schedule(trainer)
+        self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _refuse_unsupported(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise ConfigError(KEY, None, f"pipeline stages are built for training only, not trainer.{trainer.state.fn}")
+        if not callable(getattr(self.lightning_module, "loss", None)):
+            raise ConfigError("model", type(self.lightning_module).__name__,
+                              "has no loss(outputs, targets) method, which the last pipeline stage calls per micro-batch")
+        if trainer.limit_val_batches != 0 and pl.utilities.model_helpers.is_overridden("validation_step",
+                                                                                    self.lightning_module):
+            raise ConfigError("trainer.limit_val_batches", trainer.limit_val_batches,
+                              "must be 0 with strategy pipeline, which traces the training forward only")
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
+                              f"must be 1 with strategy pipeline: {KEY}.accumulate_steps micro-batches make one step")
+        if trainer.gradient_clip_val:
+            raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
+                              "is not supported with strategy pipeline: each rank would clip its stages by their own norm")
+
+    def _build_schedule(self, trainer: pl.Trainer) -> None:
+        model = self.lightning_module
+        self.stage_ranks = stage_ranks(self.world_size, self.vpp_degree, self.schedule_mode)
+        wrappers = _take_off_checkpoint_wrappers(model)
+        try:
+            split_points = stage_split_points(model, self.split_points, len(self.stage_ranks))
+            pipe = _trace(model, self._example_micro_batch(trainer), split_points)
+        finally:
+            _put_on_checkpoint_wrappers(model, wrappers)
+        if pipe.num_stages != len(self.stage_ranks):
+            raise ConfigError(f"{KEY}.split_points", split_points,
+                              f"split the forward into {pipe.num_stages} stages, not {len(self.stage_ranks)} "
+                              "(each must be a module the forward calls, once)")
+        stages = []
+        for index, rank in enumerate(self.stage_ranks):
+            if rank == self.global_rank:
+                _put_on_checkpoint_wrappers(pipe.get_stage_module(index), wrappers)
+                stages.append(pipe.build_stage(index, self.root_device))
+        _keep_only_stages(model, [stage.submod for stage in stages])
+        schedule = SCHEDULES[self.schedule_mode]
+        try:
+            self.schedule = schedule(stages[0] if self.schedule_mode in SINGLE_STAGE else stages,
+                                     n_microbatches=self.accumulate_steps, loss_fn=self._micro_batch_loss)
+        except ValueError as error:
+            raise ConfigError(f"{KEY}.accumulate_steps", self.accumulate_steps, str(error).replace("\n", " ")) from None
+
+    def _example_micro_batch(self, trainer: pl.Trainer) -> torch.Tensor:
+        """The first micro-batch of the first training batch: the stages' shapes are static."""
+        # Reading ahead must not change the order training then reads the data in.
+        with torch.random.fork_rng(devices=[]):
+            inputs, _ = _inputs_and_targets(next(iter(trainer.fit_loop._data_source.dataloader())))
+        return inputs[: self.micro_batch_size].to(self.root_device)
+
+    def _micro_batch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.lightning_module.loss(outputs, targets)
+        self._micro_batch_losses.append(loss.detach().float())
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return loss if scaler is None else scaler.scale(loss)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        inputs, targets = _inputs_and_targets(args[0])
+        expected = self.micro_batch_size * self.accumulate_steps
+        if inputs.size(0) != expected:
+            raise ConfigError(KEY, None, f"a training batch of {inputs.size(0)} samples is not accumulate_steps * "
+                                         f"micro_batch_size = {self.accumulate_steps} * {self.micro_batch_size} = "
+                                         f"{expected}; set data.batch_size={expected} and drop a smaller last batch")
+        holds_first, holds_last = self.stage_ranks[0] == self.global_rank, self.stage_ranks[-1] == self.global_rank
+        scaler: Optional[torch.amp.GradScaler] = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            scaler.scale(torch.zeros((), device=self.root_device))  # creates the scale on every rank: unscale_ needs it
+        self._micro_batch_losses.clear()
+        with self.precision_plugin.train_step_context():
+            self.schedule.step(*([inputs] if holds_first else []), target=targets if holds_last else None)
+        loss = (torch.stack(self._micro_batch_losses).mean() if holds_last
+                else torch.zeros((), device=self.root_device))
+        dist.broadcast(loss, src=self.stage_ranks[-1])
+        self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True)
+        return loss
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The schedule already ran backward, micro-batch by micro-batch, inside training_step.
+        return closure_loss
+
+
+def _inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+        raise ConfigError("data", type(batch).__name__, "strategy pipeline needs (inputs, targets) batches")
+    return batch[0], batch[1]
+
+
+def _trace(model: nn.Module, example: torch.Tensor, split_points: list[str]) -> Any:
+    """torch's `pipeline()` on `model`, each stage beginning at one of `split_points`."""
+    # pipeline() marks the split modules by replacing their forward; each is put back after.
+    forwards = {name: model.get_submodule(name).__dict__.get("forward") for name in split_points}
+    try:
+        return pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(split_points, SplitPoint.BEGINNING))
+    except RuntimeError as error:
+        cause = str(error.__cause__ or error).strip().splitlines()[0]
+        raise ConfigError("model", type(model).__name__, f"cannot be traced into pipeline stages: {cause}") from None
+    finally:
+        for name, forward in forwards.items():
+            module = model.get_submodule(name)
+            module.__dict__.pop("_orig_forward", None)
+            module.__dict__.pop("forward", None)
+            if forward is not None:
+                module.forward = forward
+
+
+def _take_off_checkpoint_wrappers(model: nn.Module) -> dict[str, CheckpointWrapper]:
+    """Replace each recompute wrapper by the module it wraps; returns the wrappers by name."""
+    wrappers = {name: module for name, module in model.named_modules() if isinstance(module, CheckpointWrapper)}
+    for name, wrapper in wrappers.items():
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).register_module(child, wrapper._checkpoint_wrapped_module)
+    return wrappers
+
+
+def _put_on_checkpoint_wrappers(model: nn.Module, wrappers: dict[str, CheckpointWrapper]) -> None:
+    """Wrap the modules of `model` named like `wrappers` (the model, or a traced stage holding
+    some of them) as they were wrapped, so they recompute the same way."""
+    for name, wrapper in wrappers.items():
+        parent, _, child = name.rpartition(".")
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:  # in another stage
+            continue
+        if module is not wrapper._checkpoint_wrapped_module:
+            wrapper = CheckpointWrapper(module, wrapper.checkpoint_impl, checkpoint_fn=wrapper.checkpoint_fn)
+        model.get_submodule(parent).register_module(child, wrapper)
+
+
+def _keep_only_stages(model: nn.Module, stage_modules: list[nn.Module]) -> None:
+    """Drop from `model` the parameters and buffers this rank's stages do not hold (other ranks
+    hold them), after refusing parameters the tracer copied because several stages use them."""
+    own = {id(p) for p in model.parameters()}
+    copied = sorted({name for stage in stage_modules for name, p in stage.named_parameters() if id(p) not in own})
+    if copied:
+        raise ConfigError(f"{KEY}.split_points", None, f"parameters {', '.join(copied)} are used by more than one "
+                                                       "stage (tied weights), which pipeline stages cannot share")
+    kept = {id(t) for stage in stage_modules for t in itertools.chain(stage.parameters(), stage.buffers())}
+    for module in model.modules():
+        for registry in (module._parameters, module._buffers):
+            for name in [name for name, t in registry.items() if t is not None and id(t) not in kept]:
+                del registry[name]

@@ -12,8 +12,10 @@ from runner.compat import load_table
 
 ROWS = sorted(sorted(row) for row in load_table().allowed)
 # The base optimizer each replacement needs: LAMB replaces Adam-family optimizers (the GPT's
-# AdamW); LARS and DGC replace momentum SGD (the MLP's default).
-NEEDS = {"lamb": ["model=gpt", "data=language_model"]}
+# AdamW); LARS and DGC replace momentum SGD (the MLP's default). Sharding rows run stage 3, the
+# stage that changes the most (parameters too are sharded); tests/plugins/test_sharding.py
+# checks stages 1 and 2 against DDP.
+NEEDS = {"lamb": ["model=gpt", "data=language_model"], "sharding": ["strategy.sharding.stage=3"]}
 
 
 @pytest.mark.parametrize("row", ROWS, ids=["+".join(row) for row in ROWS])

@@ -208,3 +208,60 @@ def test_scaler_state_survives_a_checkpoint(tmp_path):
     second = Recorder(frozenset({6}))
     fit(fp16(init_loss_scaling=1024.0), max_steps=8, callbacks=[second], ckpt_path=str(path))
     assert second.scales == fleet_scales(2.0, frozenset({5, 6}), 8, 3, 2, 2.0, 0.5)[6:] == [2.0, 2.0]
+
+
+# One launch, 2 processes, DDP with float16 loss scaling: an inf written into rank 0's gradient
+# after DDP's all-reduce is seen by rank 0 only.
+TWO_RANKS_SCRIPT = """
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from distributed import save
+from plugins.amp import build_precision
+from plugins.ddp import build_ddp
+from runner.data import SyntheticClassificationData
+from runner.models import MLPClassifier
+
+torch.set_num_threads(1)
+OVERFLOW_STEP = 2
+
+
+class Recorder(pl.Callback):
+    def __init__(self):
+        self.scales, self.updated = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == OVERFLOW_STEP and dist.get_rank() == 0:
+            next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())
+        self.updated.append(any(not torch.equal(a, p) for a, p in zip(self.before, pl_module.parameters())))
+
+
+pl.seed_everything(0, verbose=False)
+precision = build_precision("cpu", "float16", init_loss_scaling=8.0, use_dynamic_loss_scaling=True,
+                            incr_every_n_steps=100, decr_every_n_nan_or_inf=1, incr_ratio=2.0, decr_ratio=0.5)
+recorder = Recorder()
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=build_ddp(), plugins=[precision], callbacks=[recorder],
+                     max_steps=4, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(MLPClassifier(), SyntheticClassificationData())
+save("amp", {"scales": recorder.scales, "updated": recorder.updated,
+             "params": [p.detach().clone() for p in trainer.lightning_module.parameters()]})
+"""
+
+
+def test_an_overflow_on_one_rank_makes_every_rank_skip_and_back_off(tmp_path):
+    from distributed import load_ranks, run_two_ranks
+
+    run_two_ranks(TWO_RANKS_SCRIPT, tmp_path)
+    ranks = load_ranks(tmp_path, "amp")
+    for rank in ranks:
+        assert rank["updated"] == [True, True, False, True]
+        assert rank["scales"] == [8.0, 8.0, 4.0, 4.0]
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True))
