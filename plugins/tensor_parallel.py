@@ -22,6 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from runner.errors import ConfigError
 
 KEY = "strategy.sharding.mp_degree"
+# The attribute torch's checkpoint wrapper keeps the wrapped module under.
+WRAPPED_MODULE_PARTS = {"_checkpoint_wrapped_module"}
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
@@ -46,13 +48,18 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
 
 
 def _resolve(model: nn.Module, entry: str) -> list[str]:
-    """Qualified names `entry` matches, part by part as parallelize_module matches them."""
+    """Qualified names `entry` matches, part by part as parallelize_module matches them. The plan
+    names the model's own modules: wrappers other strategies inserted (recompute's checkpoint
+    wrapper, applied before the Lightning strategy splits the model) are looked through."""
     patterns = entry.split(".")
-    names = [name for name, _ in model.named_modules()
-             if len(parts := name.split(".")) == len(patterns) and all(map(fnmatch, parts, patterns))]
+    names = []
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        own = [part for part in parts if part not in WRAPPED_MODULE_PARTS]
+        if parts[-1] not in WRAPPED_MODULE_PARTS and len(own) == len(patterns) and all(map(fnmatch, own, patterns)):
+            names.append(name)
     if not names:
-        raise ConfigError(KEY, None, f"{type(model).__name__}.tensor_parallel_plan() entry {entry!r} "
-                                     f"matches no module (apply tensor parallelism before wrapping modules)")
+        raise ConfigError(KEY, None, f"{type(model).__name__}.tensor_parallel_plan() entry {entry!r} matches no module")
     return names
 
 

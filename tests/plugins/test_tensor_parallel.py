@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from distributed import save
+from plugins.recompute import apply_recompute
 from plugins.tensor_parallel import apply_tensor_parallel
 from runner.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
@@ -68,6 +69,15 @@ for mesh_name, mesh in meshes.items():
     record["trained"] = [{name: full(p) for name, p in net.named_parameters()} for net in (model, reference)]
     save(mesh_name, record)
 
+# Recompute wraps the blocks before the Lightning strategy splits the model: the plan's names
+# must still find the modules inside the checkpoint wrappers.
+torch.manual_seed(0)
+wrapped = GPTDecoder()
+whole = copy.deepcopy(wrapped)
+apply_recompute(wrapped, "cpu", [], False)
+wrapped_names = apply_tensor_parallel(wrapped, meshes["1d"])
+save("recompute", {"names": wrapped_names, "logits": (full(wrapped(batches[0][0])), whole(batches[0][0]).detach())})
+
 
 class NoSuchModule(nn.Module):
     def __init__(self):
@@ -89,7 +99,8 @@ for case, make in {"no_hook": MLPClassifier, "heads": lambda: GPTDecoder(d_model
 save("refusals", refusals)
 """.replace("STEPS", repr(STEPS))
 
-SPLIT = {f"blocks.{i}.{name}" for i in range(2) for name in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.0", "mlp.2")}
+SPLIT = {f"blocks.{i}.{name}" for i in range(2)
+         for name in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.0", "mlp.2")}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +130,7 @@ def test_split_model_computes_and_trains_like_the_whole_one(mesh, run_dir):
 def test_each_rank_holds_half_of_each_split_weight(mesh, run_dir):
     for record in load_ranks(run_dir, mesh):
         for name, (local, whole) in record["bytes"].items():
-            # RowwiseParallel keeps the bias whole: each rank adds it to its partial sum once.
+            # RowwiseParallel keeps the bias whole (replicated): it is added to the all-reduced sum.
             replicated = name.endswith(("proj.bias", "mlp.2.bias"))
             assert local == (whole if replicated else whole // 2), name
         assert {name.rpartition(".")[0] for name in record["bytes"]} == SPLIT
@@ -131,10 +142,17 @@ def test_each_rank_holds_half_of_each_split_weight(mesh, run_dir):
     ("hidden", r"^strategy\.sharding\.mp_degree=2: blocks\.0\.attn\.q \(ColwiseParallel\) splits 63 output "
                r"features, not divisible by 2"),
     ("no_match", r"^strategy\.sharding\.mp_degree: NoSuchModule\.tensor_parallel_plan\(\) entry 'blocks\.\*\.fc' "
-                 r"matches no module"),
+                 r"matches no module$"),
 ])
 def test_refusals_leave_the_model_untouched(case, message, run_dir):
     for refusals in load_ranks(run_dir, "refusals"):
         text, untouched = refusals[case]
         assert "\n" not in text and re.search(message, text), text
         assert untouched, case  # checked before anything is split
+
+
+def test_plan_names_look_through_recompute_wrappers(run_dir):
+    for record in load_ranks(run_dir, "recompute"):
+        assert [name.replace("._checkpoint_wrapped_module", "") for name in record["names"]] == sorted(SPLIT)
+        assert all("_checkpoint_wrapped_module" in name for name in record["names"])
+        torch.testing.assert_close(*record["logits"], atol=1e-5, rtol=0)
