@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 from fnmatch import fnmatchcase
+from typing import Optional
 
 from torch import nn
 
@@ -26,3 +27,20 @@ def match_modules(model: nn.Module, entries: list[str], key: str) -> dict[str, n
                               choices)
         matched.update(hits)
     return matched
+
+
+def repeated_block_list(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """(name, module) of the model's first ModuleList/Sequential holding >= 2 children of one
+    class (the name is "" when that is the model itself): the model's repeated blocks, which
+    recompute wraps and pipeline cuts between."""
+    for name, module in model.named_modules():
+        children = list(module.children())
+        if (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2
+                and len({type(child) for child in children}) == 1):
+            return name, module
+    return None
+
+
+def child_name(parent: str, child: str) -> str:
+    """Qualified name of `child` under the module named `parent` ("" for the root)."""
+    return f"{parent}.{child}" if parent else child

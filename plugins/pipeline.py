@@ -24,31 +24,43 @@ from __future__ import annotations
 
 import functools
 import itertools
+from pathlib import Path
 from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning_fabric.strategies.fsdp import _METADATA_FILENAME
 from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.strategies.strategy import _optimizers_to_device
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble, SplitPoint, pipeline)
 from typing_extensions import override
 
+from plugins.modules import child_name, repeated_block_list
 from runner.errors import ConfigError
 
 KEY = "strategy.pipeline"
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B,
              "ZBVZeroBubble": ScheduleZBVZeroBubble}
+# Optimizer state keyed by parameter name, hyper-parameters too: every rank's keys differ, so the
+# distributed checkpoint keeps each rank's (a list of parameter groups would collide across ranks).
+BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 # Schedules placing one stage per rank; the others take the list of a rank's stages.
 SINGLE_STAGE = ("1F1B", "GPipe")
 
 
 def build_pipeline(schedule_mode: str, micro_batch_size: int, accumulate_steps: int, split_points: list[str],
-                   vpp_degree: int) -> "PipelineStrategy":
+                   vpp_degree: int, comm_hook: Optional[Any] = None) -> "PipelineStrategy":
+    if comm_hook is not None:  # gradients are not all-reduced: each parameter lives on one rank
+        raise ConfigError(KEY, None, "takes no gradient communication hook (no data parallelism to run it in)")
     return PipelineStrategy(schedule_mode, micro_batch_size, accumulate_steps, split_points, vpp_degree)
 
 
@@ -73,7 +85,13 @@ def stage_split_points(model: nn.Module, split_points: list[str], num_stages: in
             raise ConfigError(f"{KEY}.split_points", split_points,
                               f"name {len(split_points)} stage beginnings; {num_stages} stages need {num_stages - 1}")
         return list(split_points)
-    prefix, blocks = repeated_blocks(model)
+    found = repeated_block_list(model)
+    if found is None:
+        raise ConfigError(f"{KEY}.split_points", [], "the model has no repeated block list (a ModuleList or "
+                                                     "Sequential of >= 2 modules of one class) to split into "
+                                                     "stages; name the modules where stages begin")
+    prefix, block_list = found
+    blocks = list(block_list.children())
     if len(blocks) < num_stages:
         raise ConfigError(f"{KEY}.split_points", [], f"the model's repeated block list {prefix} has {len(blocks)} "
                                                      f"blocks, fewer than the {num_stages} stages; name the modules "
@@ -85,20 +103,7 @@ def stage_split_points(model: nn.Module, split_points: list[str], num_stages: in
     weights = [sum(p.numel() for p in block.parameters()) for block in blocks]
     weights[0] += sum(numel for i, numel in outside if i < first)
     weights[-1] += sum(numel for i, numel in outside if i > first)
-    return [f"{prefix}.{index}" for index in balanced_cuts(weights, num_stages)]
-
-
-def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
-    """(name, children) of the first ModuleList/Sequential holding >= 2 modules of one class
-    (plugins/recompute.py's rule)."""
-    for name, module in model.named_modules():
-        children = list(module.children())
-        if (name and isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2
-                and len({type(child) for child in children}) == 1):
-            return name, children
-    raise ConfigError(f"{KEY}.split_points", [], "the model has no repeated block list (a ModuleList or Sequential "
-                                                 "of >= 2 modules of one class) to split into stages; name the "
-                                                 "modules where stages begin")
+    return [child_name(prefix, str(index)) for index in balanced_cuts(weights, num_stages)]
 
 
 def balanced_cuts(weights: list[int], parts: int) -> list[int]:
@@ -134,8 +139,10 @@ class PipelineStrategy(ModelParallelStrategy):
         self.split_points = list(split_points)
         self.vpp_degree = vpp_degree
         self.schedule: Any = None
+        self.stages: list[Any] = []  # this rank's torch PipelineStages, in stage order
         self.stage_ranks: list[int] = []
         self._micro_batch_losses: list[torch.Tensor] = []
+        self._gradients: list[Optional[torch.Tensor]] = []
 
     @override
     def setup_environment(self) -> None:
@@ -169,6 +176,10 @@ class PipelineStrategy(ModelParallelStrategy):
         if trainer.accumulate_grad_batches != 1:
             raise ConfigError("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
                               f"must be 1 with strategy pipeline: {KEY}.accumulate_steps micro-batches make one step")
+        if self.schedule_mode == "ZBVZeroBubble" and dist.get_backend() == "gloo":
+            raise ConfigError(f"{KEY}.schedule_mode", self.schedule_mode,
+                              "fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a gloo "
+                              "pair not connected; use it on CUDA (nccl) or choose 1F1B, GPipe or Interleaved1F1B")
         if trainer.gradient_clip_val:
             raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
                               "is not supported with strategy pipeline: each rank would clip its stages by their own norm")
@@ -179,22 +190,24 @@ class PipelineStrategy(ModelParallelStrategy):
         wrappers = _take_off_checkpoint_wrappers(model)
         try:
             split_points = stage_split_points(model, self.split_points, len(self.stage_ranks))
-            pipe = _trace(model, self._example_micro_batch(trainer), split_points)
+            example = self._example_micro_batch(trainer)
+            # Under autocast, as in training: the stages' p2p buffers take the traced dtypes.
+            with self.precision_plugin.train_step_context():
+                pipe = _trace(model, example, split_points)
         finally:
             _put_on_checkpoint_wrappers(model, wrappers)
         if pipe.num_stages != len(self.stage_ranks):
             raise ConfigError(f"{KEY}.split_points", split_points,
                               f"split the forward into {pipe.num_stages} stages, not {len(self.stage_ranks)} "
                               "(each must be a module the forward calls, once)")
-        stages = []
         for index, rank in enumerate(self.stage_ranks):
             if rank == self.global_rank:
-                _put_on_checkpoint_wrappers(pipe.get_stage_module(index), wrappers)
-                stages.append(pipe.build_stage(index, self.root_device))
-        _keep_only_stages(model, [stage.submod for stage in stages])
+                self.stages.append(pipe.build_stage(index, self.root_device))
+                _put_on_checkpoint_wrappers(self.stages[-1].submod, wrappers)
+        _keep_only_stages(model, [stage.submod for stage in self.stages])
         schedule = SCHEDULES[self.schedule_mode]
         try:
-            self.schedule = schedule(stages[0] if self.schedule_mode in SINGLE_STAGE else stages,
+            self.schedule = schedule(self.stages[0] if self.schedule_mode in SINGLE_STAGE else self.stages,
                                      n_microbatches=self.accumulate_steps, loss_fn=self._micro_batch_loss)
         except ValueError as error:
             raise ConfigError(f"{KEY}.accumulate_steps", self.accumulate_steps, str(error).replace("\n", " ")) from None
@@ -225,8 +238,14 @@ class PipelineStrategy(ModelParallelStrategy):
         if scaler is not None:
             scaler.scale(torch.zeros((), device=self.root_device))  # creates the scale on every rank: unscale_ needs it
         self._micro_batch_losses.clear()
+        # Lightning zeroes the gradients after training_step, before backward: the schedule starts
+        # from none, and its gradients are kept aside until backward() puts them back.
+        parameters = list(self.lightning_module.parameters())
+        for parameter in parameters:
+            parameter.grad = None
         with self.precision_plugin.train_step_context():
             self.schedule.step(*([inputs] if holds_first else []), target=targets if holds_last else None)
+        self._gradients = [parameter.grad for parameter in parameters]
         loss = (torch.stack(self._micro_batch_losses).mean() if holds_last
                 else torch.zeros((), device=self.root_device))
         dist.broadcast(loss, src=self.stage_ranks[-1])
@@ -236,7 +255,27 @@ class PipelineStrategy(ModelParallelStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # The schedule already ran backward, micro-batch by micro-batch, inside training_step.
+        for parameter, gradient in zip(self.lightning_module.parameters(), self._gradients, strict=True):
+            parameter.grad = gradient
         return closure_loss
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, optimizer, options=BY_NAME)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Each rank reads its stages' parameters and optimizer state from the checkpoint directory
+        ModelParallelStrategy saved (its own loader expects DTensor parameters); returns the rest."""
+        path = Path(self.broadcast(checkpoint_path))
+        optimizers = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(self.optimizers)}
+        state = {"state_dict": get_model_state_dict(self.model),
+                 **{key: self.optimizer_state(optimizer) for key, optimizer in optimizers.items()}}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["state_dict"])
+        for key, optimizer in optimizers.items():
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key], options=BY_NAME)
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
 
 def _inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

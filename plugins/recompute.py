@@ -26,7 +26,7 @@ from torch.autograd.graph import save_on_cpu
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
-from plugins.modules import match_modules
+from plugins.modules import child_name, match_modules, repeated_block_list
 from runner.errors import ConfigError
 
 KEY = "strategy.recompute.checkpoints"
@@ -89,13 +89,11 @@ def _select(model: nn.Module, checkpoints: list[str]) -> list[str]:
 
 
 def _repeated_blocks(model: nn.Module) -> list[str]:
-    """Children of the first ModuleList/Sequential holding >= 2 modules of one class."""
-    for name, module in model.named_modules():
-        children = list(module.children())
-        if (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2
-                and len({type(child) for child in children}) == 1):
-            prefix = f"{name}." if name else ""
-            return sorted(prefix + child_name for child_name, _ in module.named_children())
+    """Children of the model's repeated block list."""
+    found = repeated_block_list(model)
+    if found is not None:
+        name, blocks = found
+        return sorted(child_name(name, child) for child, _ in blocks.named_children())
     top_level = ", ".join(name for name, _ in model.named_children())
     raise ConfigError(KEY, [], "the model has no repeated block list (a ModuleList or Sequential of >= 2 "
                                f"modules of one class) to find blocks in; name the modules to recompute "

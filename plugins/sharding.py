@@ -37,23 +37,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugins.ddp import FleetDDPStrategy, HookFactory
+from plugins.ddp import FleetDDPStrategy
 from plugins.layerwise import NO_WEIGHT_DECAY
-from runner.errors import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
-def check_degrees(world_size: int, dp_degree: int, degree: int, mp_degree: int) -> None:
-    if dp_degree * degree * mp_degree != world_size:
-        raise ConfigError("strategy.sharding", None,
-                          f"dp_degree={dp_degree} x degree={degree} x mp_degree={mp_degree} = "
-                          f"{dp_degree * degree * mp_degree} processes, but the run has {world_size} "
-                          f"(trainer.devices x trainer.num_nodes)")
-
-
-def sharding_mesh(device: torch.device, world_size: int, dp_degree: int, degree: int, mp_degree: int) -> DeviceMesh:
-    check_degrees(world_size, dp_degree, degree, mp_degree)
+def sharding_mesh(device: torch.device, dp_degree: int, degree: int, mp_degree: int) -> DeviceMesh:
+    # The plan checked that the degrees multiply to the world size before any process started.
     return init_device_mesh(device.type, (dp_degree, degree, mp_degree), mesh_dim_names=MESH_DIMS)
 
 
@@ -103,7 +94,7 @@ def shard_optimizer_states(optimizer: Optimizer, group: Any) -> FleetZeroRedunda
 
 
 class ZeroStage1Strategy(FleetDDPStrategy):
-    """DDP (with lightfleet's communication hook, if any) whose optimizers are
+    """DDP whose optimizers are
     `FleetZeroRedundancyOptimizer`s over the dp_shard group of the mesh.
 
     Gradients are views into DDP's buckets, so a rank holds one copy of them. Lightning's
@@ -111,15 +102,15 @@ class ZeroStage1Strategy(FleetDDPStrategy):
     `load_state_dict` hands each rank its share back.
     """
 
-    def __init__(self, dp_degree: int, degree: int, comm_hook: Optional[HookFactory] = None) -> None:
-        super().__init__(comm_hook=comm_hook, gradient_as_bucket_view=True)
+    def __init__(self, dp_degree: int, degree: int) -> None:
+        super().__init__(gradient_as_bucket_view=True)
         self.dp_degree, self.degree = dp_degree, degree
         self.device_mesh: Optional[DeviceMesh] = None
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.device_mesh = sharding_mesh(self.root_device, self.world_size, self.dp_degree, self.degree, 1)
+        self.device_mesh = sharding_mesh(self.root_device, self.dp_degree, self.degree, 1)
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -166,6 +157,25 @@ def shard_units(root: nn.Module, segment_bytes: float) -> List[List[str]]:
     return units
 
 
+def apply_fsdp(module: nn.Module, mesh: DeviceMesh, stage: int, segment_bytes: float,
+               param_dtype: Optional[torch.dtype] = None, offload: bool = False) -> List[List[str]]:
+    """FSDP2 over `mesh` (1-D: sharded; 2-D: replicated x sharded, HSDP) for ZeRO `stage` 2 or 3:
+    `fully_shard` on each of `shard_units(module, segment_bytes)`, then on `module`. With
+    `param_dtype`, parameters are gathered in it and gradients reduced in float32; `offload`
+    keeps the shards (parameters, gradients, optimizer states) in host memory. Returns the units."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    # Pinned host memory speeds up copies to an accelerator; without one there is nothing to pin.
+    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload else OffloadPolicy()
+    options = dict(mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
+    units = shard_units(module, segment_bytes)
+    for names in units:
+        fully_shard([module.get_submodule(name) for name in names], **options)
+    fully_shard(module, **options)
+    return units
+
+
 class FSDP2Strategy(ModelParallelStrategy):
     """ModelParallelStrategy that applies FSDP2 itself: ZeRO stage 2 or 3 (see the module doc).
 
@@ -187,8 +197,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # The base class's process group; its own 2-D mesh has other dim names than ours.
         self._setup_distributed()
-        self._device_mesh = sharding_mesh(self.root_device, self.world_size, self.dp_degree, self.degree,
-                                          self.mp_degree)
+        self._device_mesh = sharding_mesh(self.root_device, self.dp_degree, self.degree, self.mp_degree)
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -209,24 +218,17 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.setup_precision_plugin()
 
     def shard(self, module: nn.Module) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
         if self.mp_degree > 1:
             from plugins.tensor_parallel import apply_tensor_parallel
 
             self.tensor_parallel = apply_tensor_parallel(module, self.device_mesh["tp"])
         dims = ("dp_replicate", "dp_shard") if self.dp_degree > 1 else ("dp_shard",)
         precision = self.precision_plugin
-        mp_policy = MixedPrecisionPolicy()
+        param_dtype = None
         if isinstance(precision, MixedPrecision):
-            dtype = torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
-            mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        options = dict(mesh=self.device_mesh[dims], reshard_after_forward=self.stage == 3, mp_policy=mp_policy,
-                       offload_policy=CPUOffloadPolicy() if self.optimize_offload else OffloadPolicy())
-        self.units = shard_units(module, self.segment_bytes)
-        for names in self.units:
-            fully_shard([module.get_submodule(name) for name in names], **options)
-        fully_shard(module, **options)
+            param_dtype = torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
+        self.units = apply_fsdp(module, self.device_mesh[dims], self.stage, self.segment_bytes, param_dtype,
+                                self.optimize_offload)
         rank_zero_info(f"lightfleet: sharding stage {self.stage} units: "
                        + "; ".join("+".join(names) for names in self.units))
 
@@ -242,22 +244,11 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def build_sharding(stage: int, degree: int, dp_degree: int, mp_degree: int, optimize_offload: bool,
-                   segment_broadcast_MB: float, comm_hook: Optional[HookFactory] = None) -> Strategy:
+                   segment_broadcast_MB: float) -> Strategy:
     """The Lightning strategy for ZeRO `stage` (1, 2 or 3) on a (dp_degree, degree, mp_degree)
-    mesh. Stage 1 is DDP, so it takes a gradient communication hook; stages 2 and 3 reduce
-    gradients inside FSDP and refuse one, as stage 1 refuses tensor parallelism and offload."""
+    mesh. The schema has refused tensor parallelism and offload at stage 1."""
     if stage == 1:
-        if optimize_offload:
-            raise ConfigError("strategy.sharding.optimize_offload", True,
-                              "needs stage 2 or 3 (stage 1's ZeroRedundancyOptimizer keeps its states on the device)")
-        if mp_degree > 1:
-            raise ConfigError("strategy.sharding.mp_degree", mp_degree, "tensor parallelism needs stage 2 or 3")
-        return ZeroStage1Strategy(dp_degree, degree, comm_hook=comm_hook)
-    if stage not in (2, 3):
-        raise ConfigError("strategy.sharding.stage", stage, "must be 1, 2 or 3")
-    if comm_hook is not None:
-        raise ConfigError("strategy.sharding.stage", stage,
-                          "stages 2 and 3 reduce gradients inside FSDP: no DDP communication hook")
+        return ZeroStage1Strategy(dp_degree, degree)
     return FSDP2Strategy(stage, degree, dp_degree, mp_degree, optimize_offload, segment_broadcast_MB)
 
 

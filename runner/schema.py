@@ -402,12 +402,36 @@ class PipelineConfig:
                 f"{product}, but data.batch_size={batch_size}")
         return self.micro_batch_size
 
+    def check_micro_batches(self, world_size: int) -> None:
+        """The micro-batch counts torch's schedules can order for this many processes."""
+        key = "strategy.pipeline."
+        require(world_size >= 2, "trainer.devices", world_size, "pipeline needs >= 2 processes (one per stage)")
+        stages = world_size * self.vpp_degree
+        needed = {"1F1B": world_size, "ZBVZeroBubble": stages}.get(self.schedule_mode, 1)
+        require(self.accumulate_steps >= needed, key + "accumulate_steps", self.accumulate_steps,
+                f"schedule_mode={self.schedule_mode} needs >= {needed} micro-batches for {stages} stages "
+                f"on {world_size} processes")
+        rounds = max(1, self.accumulate_steps // world_size)
+        require(self.schedule_mode != "Interleaved1F1B" or self.accumulate_steps % rounds == 0,
+                key + "accumulate_steps", self.accumulate_steps,
+                f"Interleaved1F1B runs rounds of {world_size} micro-batches: use a multiple of {world_size} "
+                f"or fewer than {2 * world_size}")
+
     def contribute(self, run: RunShape) -> Contribution:
-        known_world_size(run, "pipeline")
+        self.check_micro_batches(known_world_size(run, "pipeline"))
         kwargs = {"schedule_mode": self.schedule_mode, "micro_batch_size": self.micro_batch(run.batch_size),
                   "accumulate_steps": self.accumulate_steps, "split_points": list(self.split_points),
                   "vpp_degree": self.vpp_degree}
-        return Contribution(lightning_strategy=Component("plugins.pipeline:build_pipeline", kwargs))
+        # The stages are traced from the training-mode forward; a validation loop would need a
+        # second, forward-only schedule over the same stages.
+        return Contribution(
+            lightning_strategy=Component("plugins.pipeline:build_pipeline", kwargs),
+            trainer_args={"limit_val_batches": 0, "num_sanity_val_steps": 0},
+            notes=["pipeline: the model's training_step is bypassed; each rank builds the whole model, keeps "
+                   "its stages, and logs the loss of the last stage as train_loss; validation is off",
+                   f"pipeline: every training batch must hold micro_batch_size x accumulate_steps = "
+                   f"{kwargs['micro_batch_size'] * self.accumulate_steps} samples (drop a smaller last batch); "
+                   f"checkpoints are directories holding each stage's part"])
 
 
 @dataclass

@@ -1,0 +1,230 @@
+"""Pipeline parallelism in real 2-process training (2 stages or 2 x 2 interleaved, gloo on CPU, no
+mocks): the schedules' gradients and losses are single-process training's, 1F1B holds fewer
+activations than GPipe, checkpoints resume, amp and recompute train; refusals in-process."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from distributed import load_ranks, run_two_ranks
+from plugins.pipeline import balanced_cuts, stage_ranks, stage_split_points
+from runner.errors import ConfigError
+from runner.models import GPTDecoder, MLPClassifier
+
+LR, MOMENTUM, MICRO, ACCUMULATE, STEPS, TRAIN_STEPS = 0.1, 0.9, 4, 4, 4, 25
+EXACT = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2}  # schedule -> stages per process
+
+# One launch, every fit in the same 2 processes (each a new model, Trainer and strategy). All
+# train MLPClassifier(num_blocks=4) with SGD on batches of MICRO * ACCUMULATE samples.
+SCRIPT = """
+import functools
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from bench.pipeline import SavedActivationBytes
+from distributed import save
+from plugins.amp import build_precision
+from plugins.pipeline import build_pipeline
+from plugins.recompute import apply_recompute
+from runner.data import SyntheticClassificationData
+from runner.errors import ConfigError
+from runner.models import MLPClassifier
+
+OUT = Path(sys.argv[1])
+torch.set_num_threads(1)
+
+
+class Recorder(pl.Callback):
+    # Per step: the batch, this rank's gradients by parameter name, the loss, and the peak bytes
+    # of activations saved for backward.
+    def __init__(self):
+        self.steps = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.meter = SavedActivationBytes(list(pl_module.parameters()))
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
+        self.hooks.__enter__()
+        self.steps.append({"batch": [t.clone() for t in batch]})
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps[-1]["grads"] = {name: p.grad.clone() for name, p in pl_module.named_parameters()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.hooks.__exit__(None, None, None)
+        self.steps[-1].update(loss=float(outputs["loss"]), peak_bytes=self.meter.peak,
+                              logged=float(trainer.callback_metrics["train_loss"]))
+
+
+def run(name, schedule, steps, vpp=1, micro=MICRO, accumulate=ACCUMULATE, batch_size=None, precision=None,
+        recompute=False, checkpoint_dir=None, ckpt_path=None, num_train=2048, momentum=MOMENTUM):
+    pl.seed_everything(0, verbose=False)
+    model = MLPClassifier(num_blocks=4, optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=momentum))
+    if recompute:
+        apply_recompute(model, "cpu", [], enable_offload=False)  # as the build step does, before the strategy
+    recorder = Recorder()
+    callbacks = [recorder]
+    if checkpoint_dir:
+        callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, every_n_train_steps=steps, save_last=True))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=build_pipeline(schedule, micro, accumulate, [], vpp),
+                         plugins=[precision] if precision else [], callbacks=callbacks, max_steps=steps,
+                         limit_val_batches=0, logger=False, enable_checkpointing=bool(checkpoint_dir),
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=OUT)
+    data = SyntheticClassificationData(batch_size=batch_size or micro * accumulate, num_train=num_train)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    except ConfigError as error:
+        save(name, {"error": str(error)})
+        return
+    save(name, {"initial": recorder.initial, "steps": recorder.steps, "stage_ranks": trainer.strategy.stage_ranks})
+
+
+for schedule, vpp in EXACT.items():
+    run(schedule, schedule, STEPS, vpp)
+run("mem_1F1B", "1F1B", 1, micro=2, accumulate=8)
+run("mem_GPipe", "GPipe", 1, micro=2, accumulate=8)
+# 32 samples = 2 steps: "first" ends an epoch and checkpoints there, "resumed" goes on to STEPS.
+run("first", "1F1B", 2, num_train=32, checkpoint_dir="ckpt")
+run("resumed", "1F1B", STEPS, num_train=32, ckpt_path=OUT / "ckpt" / "last.ckpt")
+run("full", "1F1B", STEPS, num_train=32)
+# Plain SGD: momentum on batches of 16 is too noisy for a loss that falls within TRAIN_STEPS steps.
+run("bf16", "1F1B", TRAIN_STEPS, precision=build_precision("cpu", "bfloat16"), momentum=0)
+run("recompute", "1F1B", TRAIN_STEPS, recompute=True, momentum=0)
+run("zbv", "ZBVZeroBubble", 1, vpp=2)
+run("bad_batch", "1F1B", 1, batch_size=12)
+"""
+SCRIPT = "".join(f"{name} = {value!r}\n" for name, value in dict(
+    LR=LR, MOMENTUM=MOMENTUM, MICRO=MICRO, ACCUMULATE=ACCUMULATE, STEPS=STEPS, TRAIN_STEPS=TRAIN_STEPS,
+    EXACT=EXACT).items()) + SCRIPT
+RUNS = (*EXACT, "mem_1F1B", "mem_GPipe", "first", "resumed", "full", "bf16", "recompute", "zbv", "bad_batch")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{run name: [rank 0's record, rank 1's record]}."""
+    tmp_path = tmp_path_factory.mktemp("pipeline")
+    run_two_ranks(SCRIPT, tmp_path, timeout=240)
+    return {name: load_ranks(tmp_path, name) for name in RUNS}
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def test_stages_are_placed_in_a_loop_or_a_v():
+    assert stage_ranks(2, 1, "1F1B") == [0, 1]
+    assert stage_ranks(2, 2, "Interleaved1F1B") == [0, 1, 0, 1]
+    assert stage_ranks(4, 2, "ZBVZeroBubble") == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+def test_blocks_are_balanced_by_parameter_count():
+    assert balanced_cuts([1, 1, 1, 1], 2) == [2]
+    assert balanced_cuts([5, 1, 1, 1, 1, 1], 2) == [1]
+    assert balanced_cuts([1, 1, 1, 1, 1, 1], 3) == [2, 4]
+    model = MLPClassifier(input_dim=4096, num_blocks=4)  # a heavy stem pulls the first cut forward
+    assert stage_split_points(model, [], 2) == ["blocks.1"]
+    assert stage_split_points(MLPClassifier(num_blocks=4), [], 2) == ["blocks.2"]
+    assert stage_split_points(GPTDecoder(n_layers=4), [], 4) == ["blocks.1", "blocks.2", "blocks.3"]
+    assert stage_split_points(MLPClassifier(num_blocks=4), ["blocks.3"], 2) == ["blocks.3"]
+
+
+@pytest.mark.parametrize("model, split_points, stages, message", [
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [], 2, "has no repeated block list"),
+    (MLPClassifier(num_blocks=3), [], 4, "has 3 blocks, fewer than the 4 stages"),
+    (MLPClassifier(), ["blocks.7"], 2, "name no module of the model"),
+    (MLPClassifier(), ["blocks.1", "blocks.2"], 2, "name 2 stage beginnings; 2 stages need 1"),
+])
+def test_unsplittable_models_are_refused(model, split_points, stages, message):
+    with pytest.raises(ConfigError) as error:
+        stage_split_points(model, split_points, stages)
+    assert error.value.key == "strategy.pipeline.split_points"
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# --------------------------------------------------------------------------- 2 processes
+
+
+def reference_steps(record: list, steps: int) -> list:
+    """Single-process training on the same batches: a plain model with the same initial weights,
+    the mean of the micro-batch losses, backward, momentum SGD; per step (loss, {name: grad})."""
+    pl.seed_everything(0, verbose=False)
+    model = MLPClassifier(num_blocks=4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(next(rank["initial"][name] for rank in record if name in rank["initial"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    results = []
+    for step in range(steps):
+        inputs, targets = record[0]["steps"][step]["batch"]
+        optimizer.zero_grad()
+        loss = torch.stack([model.loss(model(x), y) for x, y in zip(inputs.chunk(ACCUMULATE), targets.chunk(ACCUMULATE))]
+                           ).mean()
+        loss.backward()
+        results.append((loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        optimizer.step()
+    return results
+
+
+@pytest.mark.parametrize("schedule", EXACT)
+def test_schedule_matches_single_process_training(runs, schedule):
+    ranks = runs[schedule]
+    names = [name for name, _ in MLPClassifier(num_blocks=4).named_parameters()]
+    held = [set(rank["initial"]) for rank in ranks]
+    assert sorted(held[0] | held[1]) == sorted(names) and not held[0] & held[1]  # each parameter on one rank
+    assert len(ranks[0]["stage_ranks"]) == 2 * EXACT[schedule]
+    for step, (loss, grads) in enumerate(reference_steps(ranks, STEPS)):
+        for rank in ranks:
+            record = rank["steps"][step]
+            assert all(torch.equal(a, b) for a, b in zip(record["batch"], ranks[0]["steps"][step]["batch"]))
+            assert record["loss"] == pytest.approx(loss, abs=1e-5) and record["logged"] == record["loss"]
+            for name, grad in record["grads"].items():
+                torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5)
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe(runs):
+    one_f_one_b, gpipe = (runs[name][0]["steps"][0]["peak_bytes"] for name in ("mem_1F1B", "mem_GPipe"))
+    # first stage, 8 micro-batches: GPipe keeps all 8 in flight, 1F1B at most 2 (p = 2 stages)
+    assert 0 < one_f_one_b < 0.5 * gpipe, (one_f_one_b, gpipe)
+
+
+def test_resume_from_every_stage_checkpoint_gives_the_same_losses(runs):
+    for first, resumed, full in zip(runs["first"], runs["resumed"], runs["full"]):
+        assert [s["loss"] for s in first["steps"]] == [s["loss"] for s in full["steps"][:2]]
+        assert len(resumed["steps"]) == STEPS - 2
+        assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in full["steps"][2:]]
+        for mine, reference in zip(resumed["steps"], full["steps"][2:]):
+            assert all(torch.equal(mine["grads"][name], g) for name, g in reference["grads"].items())
+
+
+@pytest.mark.parametrize("name", ["bf16", "recompute"])
+def test_trains_with_amp_and_recompute(runs, name):
+    losses = [step["loss"] for step in runs[name][0]["steps"]]
+    assert len(losses) == TRAIN_STEPS and sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+
+
+def test_recompute_keeps_only_block_inputs(runs):
+    for plain, recomputed in zip(runs["1F1B"], runs["recompute"]):
+        # the same first step (same weights, micro-batches, stages): the wrapped blocks save their
+        # inputs only, and run again in backward to give the same gradients
+        assert recomputed["steps"][0]["peak_bytes"] < 0.5 * plain["steps"][0]["peak_bytes"]
+        assert recomputed["steps"][0]["loss"] == plain["steps"][0]["loss"]
+        for name, grad in plain["steps"][0]["grads"].items():
+            wrapped = re.sub(r"^blocks\.(\d+)\.", r"blocks.\1._checkpoint_wrapped_module.", name)
+            torch.testing.assert_close(recomputed["steps"][0]["grads"][wrapped], grad, rtol=1e-6, atol=1e-7)
+
+
+def test_runtime_refusals(runs):
+    for rank in runs["bad_batch"]:
+        assert rank["error"] == ("strategy.pipeline: a training batch of 12 samples is not accumulate_steps * "
+                                 "micro_batch_size = 4 * 4 = 16; set data.batch_size=16 and drop a smaller last batch")
+    for rank in runs["zbv"]:
+        assert rank["error"].startswith("strategy.pipeline.schedule_mode='ZBVZeroBubble': fails on the gloo backend")
