@@ -21,8 +21,6 @@ import argparse
 import functools
 import json
 import os
-import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runner/ and plugins/ when lightfleet is not installed
+from bench.spawning import free_port, machine  # noqa: E402
 
 from plugins import fp16_allreduce  # noqa: E402
 from runner.models import ResNetClassifier  # noqa: E402
@@ -140,11 +139,6 @@ def rank_main(rank: int, port: int, names: List[str], steps: int, out: str) -> N
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -167,8 +161,7 @@ def main(argv: List[str] | None = None) -> int:
                          "ratio_to_allreduce": bytes_per_step / baseline}
     record = {"world_size": WORLD_SIZE, "backend": "gloo", "steps": args.steps, "batch_size_per_process": BATCH_SIZE,
               "model": "ResNetClassifier(widths=(64, 128, 256), blocks_per_stage=2)",
-              "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "torch": torch.__version__, "cpus": os.cpu_count()},
+              "machine": machine(),
               "results": results}
     print(f"{'hook':<28}{'bytes/step':>14}{'vs allreduce':>14}{'calls/step':>12}{'s/step':>9}")
     for name, r in results.items():

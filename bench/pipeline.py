@@ -20,7 +20,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runner/ and plugins/ when lightfleet is not installed
+from bench.spawning import machine  # noqa: E402
 
 WORLD_SIZE = 2
 SCHEDULES = ("1F1B", "GPipe")
@@ -193,8 +193,7 @@ def main(argv: List[str] | None = None) -> int:
               "micro_batch_size": args.micro_batch_size, "steps": args.steps, "repeats": args.repeats,
               "model": "MLPClassifier(hidden_dim=512, num_blocks=8)",
               "bubble_method": "1 - (stage forward + backward compute time) / schedule step time, per stage",
-              "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "torch": torch.__version__, "cpus": os.cpu_count()},
+              "machine": machine(),
               "results": results}
     print(f"{'schedule':<10}{'stage':>6}{'peak activations':>18}{'step s':>9}{'bubble':>9}{'theory':>9}")
     for name in SCHEDULES:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import sys
 import tempfile
 import warnings
@@ -38,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runner/ and plugins/ when lightfleet is not installed
+from bench.spawning import free_port, machine  # noqa: E402
 
 from plugins.sharding import apply_fsdp, shard_optimizer_states  # noqa: E402
 from runner.models import GPTDecoder  # noqa: E402
@@ -119,11 +118,6 @@ def rank_main(rank: int, world_size: int, port: int, dtype: str, out: str) -> No
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -136,8 +130,7 @@ def main(argv: List[str] | None = None) -> int:
     record = {"command": " ".join(["python", "bench/sharding.py", *(argv if argv is not None else sys.argv[1:])]),
               "model": f"GPTDecoder({', '.join(f'{k}={v}' for k, v in MODEL.items())})", "dtype": args.dtype,
               "backend": "gloo", "steps": STEPS, "batch_size_per_process": BATCH_SIZE, "segment_MB": SEGMENT_MB,
-              "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "torch": torch.__version__, "cpus": os.cpu_count()},
+              "machine": machine(),
               "results": {}}
     for world_size in args.world_sizes:
         with tempfile.TemporaryDirectory() as tmp:

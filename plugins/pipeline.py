@@ -58,9 +58,7 @@ SINGLE_STAGE = ("1F1B", "GPipe")
 
 
 def build_pipeline(schedule_mode: str, micro_batch_size: int, accumulate_steps: int, split_points: list[str],
-                   vpp_degree: int, comm_hook: Optional[Any] = None) -> "PipelineStrategy":
-    if comm_hook is not None:  # gradients are not all-reduced: each parameter lives on one rank
-        raise ConfigError(KEY, None, "takes no gradient communication hook (no data parallelism to run it in)")
+                   vpp_degree: int) -> "PipelineStrategy":
     return PipelineStrategy(schedule_mode, micro_batch_size, accumulate_steps, split_points, vpp_degree)
 
 
@@ -173,9 +171,6 @@ class PipelineStrategy(ModelParallelStrategy):
                                                                                     self.lightning_module):
             raise ConfigError("trainer.limit_val_batches", trainer.limit_val_batches,
                               "must be 0 with strategy pipeline, which traces the training forward only")
-        if trainer.accumulate_grad_batches != 1:
-            raise ConfigError("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
-                              f"must be 1 with strategy pipeline: {KEY}.accumulate_steps micro-batches make one step")
         if self.schedule_mode == "ZBVZeroBubble" and dist.get_backend() == "gloo":
             raise ConfigError(f"{KEY}.schedule_mode", self.schedule_mode,
                               "fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a gloo "

@@ -426,7 +426,8 @@ class PipelineConfig:
         # second, forward-only schedule over the same stages.
         return Contribution(
             lightning_strategy=Component("plugins.pipeline:build_pipeline", kwargs),
-            trainer_args={"limit_val_batches": 0, "num_sanity_val_steps": 0},
+            # accumulate_steps micro-batches already make one optimizer step.
+            trainer_args={"limit_val_batches": 0, "num_sanity_val_steps": 0, "accumulate_grad_batches": 1},
             notes=["pipeline: the model's training_step is bypassed; each rank builds the whole model, keeps "
                    "its stages, and logs the loss of the last stage as train_loss; validation is off",
                    f"pipeline: every training batch must hold micro_batch_size x accumulate_steps = "
