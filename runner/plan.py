@@ -42,11 +42,13 @@ class Component:
 @dataclass(frozen=True)
 class RunShape:
     """What a strategy may need to know about the run to contribute: the processes
-    (`world_of`) and the data's batch size per step and process (None when the data config
-    has no `batch_size`)."""
+    (`world_of`), the data's batch size per step and process (None when the data config has no
+    `batch_size`), and the selected strategies' knobs (strategies that split the same processes
+    between them, like pipeline and sharding, read each other's degrees)."""
 
     world: Dict[str, Any]
     batch_size: Optional[int] = None
+    selected: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,7 +110,7 @@ def make_plan(strategies: Dict[str, Any], trainer: Any, batch_size: Optional[int
     from runner.schema import TrainerConfig  # the user's trainer defaults, to tell set from unset
 
     plan = Plan(strategies=list(strategies), world=world_of(trainer))
-    run = RunShape(plan.world, batch_size)
+    run = RunShape(plan.world, batch_size, dict(strategies))
     defaults = TrainerConfig()
     for name, knobs in strategies.items():
         contribution: Contribution = knobs.contribute(run)

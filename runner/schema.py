@@ -296,8 +296,8 @@ class ShardingConfig:
     """Tensor-parallel degree (stages 2 and 3): the model's `tensor_parallel_plan()` splits its
     layers over this many ranks (the built-in GPT has one)."""
     pp_degree: int = 1
-    """Pipeline degree, counted in the degree product. Must be 1: pipeline with sharding is not
-    an allowed combination (conf/compat.yaml says why)."""
+    """Processes of one pipeline, with strategy pipeline (>= 2; stage 1 only: the optimizer
+    states of each stage are sharded over the `degree` pipeline replicas). 1 without pipeline."""
     optimize_offload: bool = False
     """Keep the sharded parameters, gradients and optimizer states in host memory; the device
     holds only what computes (FSDP2 CPUOffloadPolicy; stages 2 and 3)."""
@@ -314,8 +314,7 @@ class ShardingConfig:
         require(self.degree is None or self.degree >= 1, key + "degree", self.degree, "must be >= 1 (or null: auto)")
         for name in ("dp_degree", "mp_degree", "gradient_merge_acc_step"):
             require(getattr(self, name) >= 1, key + name, getattr(self, name), "must be >= 1")
-        require(self.pp_degree == 1, key + "pp_degree", self.pp_degree,
-                "must be 1: pipeline with sharding is not an allowed combination")
+        require(self.pp_degree >= 1, key + "pp_degree", self.pp_degree, "must be >= 1")
         require(self.mp_degree == 1 or self.stage >= 2, key + "mp_degree", self.mp_degree,
                 "tensor parallelism needs stage 2 or 3 (FSDP2 on a device mesh); stage 1 is DDP")
         require(not self.optimize_offload or self.stage >= 2, key + "optimize_offload", self.optimize_offload,
@@ -334,8 +333,30 @@ class ShardingConfig:
                 f"{product}, but the run has {world_size} process(es)")
         return degrees
 
+    def pipeline_replicas(self, world_size: int) -> int:
+        """With strategy pipeline: the number of pipeline replicas (the sharding group), after
+        checking the knobs that can go with a pipeline."""
+        key = "strategy.sharding."
+        require(self.stage == 1, key + "stage", self.stage,
+                "with pipeline only stage 1: pipeline stages keep their parameters whole, and stages 2 and 3 "
+                "would gather them again for every micro-batch")
+        require(self.pp_degree >= 2, key + "pp_degree", self.pp_degree,
+                "with pipeline: the processes of one pipeline (>= 2)")
+        require(self.dp_degree == 1, key + "dp_degree", self.dp_degree,
+                "with pipeline, degree spans all pipeline replicas; replica groups over them are not supported")
+        require(self.gradient_merge_acc_step == 1, key + "gradient_merge_acc_step", self.gradient_merge_acc_step,
+                "with pipeline, strategy.pipeline.accumulate_steps sets the micro-batches per step")
+        return self.degrees(world_size)["degree"]
+
     def contribute(self, run: RunShape) -> Contribution:
-        degrees = self.degrees(known_world_size(run, "sharding"))
+        world_size = known_world_size(run, "sharding")
+        if "pipeline" in run.selected:
+            replicas = self.pipeline_replicas(world_size)
+            return Contribution(notes=[
+                f"sharding stage 1 with pipeline: {replicas} pipeline replica(s) of {self.pp_degree} processes, each "
+                f"stage's optimizer states sharded over its replicas (carried out by the pipeline strategy)"])
+        require(self.pp_degree == 1, "strategy.sharding.pp_degree", self.pp_degree, "> 1 needs strategy pipeline too")
+        degrees = self.degrees(world_size)
         kwargs = {"stage": self.stage, **{k: v for k, v in degrees.items() if k != "pp_degree"},
                   "optimize_offload": self.optimize_offload, "segment_broadcast_MB": self.segment_broadcast_MB}
         contribution = Contribution(lightning_strategy=Component("plugins.sharding:build_sharding", kwargs))
@@ -403,7 +424,7 @@ class PipelineConfig:
         return self.micro_batch_size
 
     def check_micro_batches(self, world_size: int) -> None:
-        """The micro-batch counts torch's schedules can order for this many processes."""
+        """The micro-batch counts torch's schedules can order for a pipeline of this many processes."""
         key = "strategy.pipeline."
         require(world_size >= 2, "trainer.devices", world_size, "pipeline needs >= 2 processes (one per stage)")
         stages = world_size * self.vpp_degree
@@ -418,10 +439,15 @@ class PipelineConfig:
                 f"or fewer than {2 * world_size}")
 
     def contribute(self, run: RunShape) -> Contribution:
-        self.check_micro_batches(known_world_size(run, "pipeline"))
+        world_size = known_world_size(run, "pipeline")
+        sharding = run.selected.get("sharding")
+        replicas = sharding.pipeline_replicas(world_size) if sharding is not None else 1
+        self.check_micro_batches(world_size // replicas)
         kwargs = {"schedule_mode": self.schedule_mode, "micro_batch_size": self.micro_batch(run.batch_size),
                   "accumulate_steps": self.accumulate_steps, "split_points": list(self.split_points),
                   "vpp_degree": self.vpp_degree}
+        if sharding is not None:
+            kwargs.update(data_parallel_size=replicas, shard_optimizer_states=True)
         # The stages are traced from the training-mode forward; a validation loop would need a
         # second, forward-only schedule over the same stages.
         return Contribution(

@@ -42,7 +42,7 @@ def test_strategy_knobs_keep_fleet_defaults_and_take_overrides(spec_for):
     (["strategy=[lars]", "strategy.lars.lars_coeff=0"], r"^strategy.lars.lars_coeff=0.0: must be > 0$"),
     (["strategy=[localsgd]", "strategy.localsgd.k_steps=0"], r"^strategy.localsgd.k_steps=0: must be >= 1$"),
     (["strategy=[sharding]", "strategy.sharding.stage=4"], r"^strategy.sharding.stage=4: allowed: 1, 2, 3$"),
-    (["strategy=[sharding]", "strategy.sharding.pp_degree=2"], r"^strategy.sharding.pp_degree=2: must be 1: pipeline"),
+    (["strategy=[sharding]", "strategy.sharding.pp_degree=0"], r"^strategy.sharding.pp_degree=0: must be >= 1$"),
     (["strategy=[sharding]", "strategy.sharding.mp_degree=2"], r"^strategy.sharding.mp_degree=2: tensor parallelism needs stage 2 or 3"),
     (["strategy=[sharding]", "strategy.sharding.optimize_offload=true"], r"optimize_offload=True: offload needs stage 2 or 3"),
     (["strategy=[pipeline]", "strategy.pipeline.schedule_mode=1f1b"], r"schedule_mode='1f1b': allowed: 1F1B, GPipe, Interleaved1F1B, ZBVZeroBubble \(did you mean 1F1B"),

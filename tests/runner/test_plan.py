@@ -120,3 +120,18 @@ def test_pipeline_turns_validation_off_and_refuses_lightning_accumulation():
         make_plan({"pipeline": PipelineConfig(accumulate_steps=1)}, TrainerConfig(devices=2), 32)
     with pytest.raises(ConfigError, match=r"^trainer.devices=1: pipeline needs >= 2 processes"):
         make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=1), 32)
+
+
+def test_sharding_with_pipeline_shards_optimizer_states_over_the_pipeline_replicas():
+    plan = make_plan({"pipeline": PipelineConfig(), "sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4), 32)
+    assert plan.lightning_strategy.by == "pipeline"
+    kwargs = plan.lightning_strategy.component.kwargs
+    assert (kwargs["data_parallel_size"], kwargs["shard_optimizer_states"]) == (2, True)
+    for knobs, message in [({"stage": 2, "pp_degree": 2}, r"^strategy.sharding.stage=2: with pipeline only stage 1"),
+                           ({}, r"^strategy.sharding.pp_degree=1: with pipeline: the processes of one pipeline"),
+                           ({"pp_degree": 3}, r"^strategy.sharding.degree=1: .* = 1 x 1 x 1 x 3 = 3, but the run has 4"),
+                           ({"pp_degree": 2, "dp_degree": 2}, r"^strategy.sharding.dp_degree=2: with pipeline")]:
+        with pytest.raises(ConfigError, match=message):
+            make_plan({"sharding": ShardingConfig(**knobs), "pipeline": PipelineConfig()}, TrainerConfig(devices=4), 32)
+    with pytest.raises(ConfigError, match=r"^strategy.sharding.pp_degree=2: > 1 needs strategy pipeline too$"):
+        make_plan({"sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4))
