@@ -66,7 +66,9 @@ def instantiate_checked(key: str, node: DictConfig) -> Any:
         for name in node.keys():
             if name not in HYDRA_KEYS and name not in parameters:
                 raise ConfigError.unknown_key(f"{key}.{name}", list(parameters))
-    return instantiate(node)
+    # Plain lists and dicts, not OmegaConf containers: they reach checkpoints' hyper-parameters,
+    # which then load with torch.load(weights_only=True) and without omegaconf.
+    return instantiate(node, _convert_="all")
 
 
 def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:

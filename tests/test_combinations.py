@@ -1,4 +1,5 @@
-"""Every allowed row of conf/compat.yaml trains for real in 2 processes (gloo on CPU).
+"""Every allowed row of conf/compat.yaml trains for real in 2 processes (gloo on CPU; pipeline with
+sharding in 4: 2 pipeline replicas of 2 stages).
 
 Rows come from the table itself, so a row cannot be added without being trained here."""
 from __future__ import annotations
@@ -16,18 +17,28 @@ ROWS = sorted(sorted(row) for row in load_table().allowed)
 # stage that changes the most (parameters too are sharded); tests/plugins/test_sharding.py
 # checks stages 1 and 2 against DDP.
 NEEDS = {"lamb": ["model=gpt", "data=language_model"], "sharding": ["strategy.sharding.stage=3"]}
+# Sharding with pipeline is stage 1 over pipeline replicas: 2 replicas of a 2-process pipeline.
+PIPELINE_SHARDING = ["trainer.devices=4", "strategy.sharding.stage=1", "strategy.sharding.pp_degree=2"]
+
+
+def overrides(row: list) -> list:
+    """The processes and the per-strategy settings a row trains with."""
+    if {"pipeline", "sharding"} <= set(row):
+        return PIPELINE_SHARDING + [o for name in row if name != "sharding" for o in NEEDS.get(name, [])]
+    return ["trainer.devices=2"] + [override for name in row for override in NEEDS.get(name, [])]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=["+".join(row) for row in ROWS])
 def test_allowed_row_trains_in_two_processes(row, lightfleet, tmp_path):
-    extra = [override for name in row for override in NEEDS.get(name, [])]
-    done = lightfleet(f"strategy=[{','.join(row)}]", "trainer.devices=2", "paths.output_dir=run", *extra,
+    extra = overrides(row)
+    devices = int(next(o for o in extra if o.startswith("trainer.devices=")).partition("=")[2])
+    done = lightfleet(f"strategy=[{','.join(row)}]", "paths.output_dir=run", *extra,
                       "trainer.max_steps=30", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
                       "trainer.enable_model_summary=false")
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     assert sorted(yaml.safe_load((run / "plan.yaml").read_text())["strategies"]) == row
-    assert len(list(run.glob("logs/*/attempt_0/*/stderr.log"))) == 2
+    assert len(list(run.glob("logs/*/attempt_0/*/stderr.log"))) == devices
     losses = [float(r["train_loss"]) for r in csv.DictReader((run / "csv" / "metrics.csv").open()) if r["train_loss"]]
     assert len(losses) >= 20
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5

@@ -137,3 +137,28 @@ def test_under_torchrun_lightfleet_starts_no_process(tmp_path):
     assert not (run / "logs").exists()  # torchrun's processes, not ours
     members = sorted(line.split("MEMBER: ")[1] for line in done.stderr.splitlines() if "MEMBER: " in line)
     assert members == ["1/2", "2/2"]
+
+
+def test_pipeline_checkpoint_from_every_stage_exports_to_one_plain_file(lightfleet, tmp_path):
+    """Each stage writes its own parameters (and batch-norm statistics) into the checkpoint
+    directory; the export is one file that plain torch loads into the unsplit model."""
+    import torch
+
+    from runner.models import ResNetClassifier
+
+    done = lightfleet("model=resnet", "data=images", "strategy=[pipeline]", "trainer.devices=2", "paths.output_dir=run",
+                      *fast())
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = subprocess.run([sys.executable, "-m", "plugins.sharding", "export", "run/checkpoints/last.ckpt", "model.pt"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    checkpoint = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert checkpoint["global_step"] == 12
+    model = ResNetClassifier()
+    model.load_state_dict(checkpoint["state_dict"], strict=True)
+    trained = dict(model.state_dict())
+    torch.manual_seed(0)  # the run's seed: its initial weights
+    initial = ResNetClassifier()
+    for name, tensor in initial.state_dict().items():  # both stages' weights trained, statistics updated
+        if tensor.is_floating_point():
+            assert not torch.equal(trained[name], tensor), name
