@@ -30,6 +30,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from distributed import save
@@ -83,6 +84,23 @@ class Probe(pl.Callback):
                             "optimizer_devices": sorted({t.device.type for t in state})})
 
 
+class ReduceScatterCount:
+    # Counts FSDP2's gradient reduce-scatters (the real collective runs): FSDP calls
+    # torch.distributed.reduce_scatter_single through the module attribute.
+
+    def __init__(self):
+        self.calls = 0
+        self._real = dist.reduce_scatter_single
+        dist.reduce_scatter_single = self._count
+
+    def _count(self, *args, **kwargs):
+        self.calls += 1
+        return self._real(*args, **kwargs)
+
+
+REDUCE_SCATTERS = ReduceScatterCount()
+
+
 def run(name, strategy, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=None, precision=None,
         accumulate_grad_batches=1):
     pl.seed_everything(0, verbose=False)
@@ -92,6 +110,7 @@ def run(name, strategy, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_
         model.configure_optimizers = lambda: replace_optimizer(configure(), model, lamb_weight_decay=0.1,
                                                                exclude_from_weight_decay=EXCLUDED)
     probe = Probe()
+    REDUCE_SCATTERS.calls = 0
     callbacks = [probe]
     if checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, filename="half", every_n_train_steps=HALF))
@@ -104,7 +123,7 @@ def run(name, strategy, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_
     trainer.fit(model, SyntheticClassificationData(num_train=512, batch_size=64), ckpt_path=ckpt_path)
     optimizer = local_optimizer(trainer)
     names = {id(p): n for n, p in model.named_parameters()}
-    record = {"losses": probe.losses, "memory": probe.memory,
+    record = {"losses": probe.losses, "memory": probe.memory, "reduce_scatters": REDUCE_SCATTERS.calls,
               "params": {n: full(p) for n, p in model.named_parameters()},
               "numel": sum(full(p).numel() for p in model.parameters()),
               "dtypes": sorted(map(str, dtypes)), "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -266,8 +285,12 @@ def test_lamb_on_sharded_parameters_uses_full_tensor_norms(runs, name):
 
 
 def test_gradient_accumulation_reduces_once_per_step_and_equals_ddp(runs):
-    # block_backward_sync turns FSDP's gradient sync off on the first micro-step of each pair.
+    # block_backward_sync turns FSDP's gradient sync off on the first micro-step of each pair:
+    # 4 optimizer steps of 2 micro-batches reduce-scatter as often per step as 20 plain steps.
+    per_step = runs["stage3"][0]["reduce_scatters"] / STEPS
+    assert per_step >= 1
     for mine, ddp in zip(runs["accumulate_stage3"], runs["accumulate_ddp"], strict=True):
+        assert mine["reduce_scatters"] == 4 * per_step
         assert len(mine["losses"]) == 8  # micro-batches: 4 optimizer steps x 2
         for key, value in ddp["params"].items():
             torch.testing.assert_close(mine["params"][key], value, rtol=1e-5, atol=1e-5)
