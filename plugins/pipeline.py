@@ -1,19 +1,30 @@
 """Pipeline parallelism (Fleet `strategy.pipeline`) on `torch.distributed.pipelining` schedules.
 
-Lightning has no pipeline strategy, so `PipelineStrategy` carries one out. Each process is one
-pipeline rank (no data parallelism: every rank reads the same batches) holding `vpp_degree`
-stages. At setup the model is traced by torch's frontend (`pipeline()`, torch.export) on a
-micro-batch of the first training batch and split where the stages begin; the traced stage
+Lightning has no pipeline strategy, so `PipelineStrategy` carries one out. The processes form a
+("dp", "pp") device mesh: `data_parallel_size` replicas of a pipeline of world_size /
+data_parallel_size ranks (Fleet's dp_degree x pp_degree). Each process is one pipeline rank
+holding `vpp_degree` stages; the ranks of a pipeline read the same batches, the replicas
+different ones. At setup the model is traced by torch's frontend (`pipeline()`, torch.export)
+on a micro-batch of the first training batch and split where the stages begin; the traced stage
 modules share the model's parameter objects under their original names. The model then keeps
 only this rank's parameters and buffers, so the optimizer, `state_dict()` and the distributed
-checkpoint (one directory, every rank writing its own keys, by ModelParallelStrategy) hold this
-rank's stages under the names of the unsplit model.
+checkpoint (one directory, every rank writing its own keys, by ModelParallelStrategy; what the
+replicas hold alike is written once, by torch's planner) hold this rank's stages under the
+names of the unsplit model.
+
+With replicas, each stage module runs inside DDP over the dp group: torch's stage runs it
+without gradient sync but at its last micro-batch's backward, so gradients are averaged over the
+replicas once a step. `shard_optimizer_states` (ZeRO stage 1, Fleet's sharding stage 1 with
+pipeline) wraps the optimizers in plugins.sharding's ZeroRedundancyOptimizer over the dp group:
+each rank steps and checkpoints the optimizer state of its whole-tensor share of its stages'
+parameters, then the updated parameters are broadcast to the other replicas.
 
 A training step runs the schedule on the batch: inputs go to the first stage, targets to the
 last, whose loss is the model's `loss(outputs, targets)` per micro-batch; the schedule runs
-backward itself, so the gradient is that of the mean micro-batch loss. The user's
-`training_step` is bypassed: the mean loss is broadcast from the last stage and logged as
-`train_loss` on every rank. Only fitting is supported (the traced graph is the training-mode
+backward itself, so the gradient is that of the mean micro-batch loss (over all replicas'
+micro-batches). The user's `training_step` is bypassed: the mean loss is broadcast from the last
+stage and logged as `train_loss` on every rank of the pipeline (each replica logs its own
+batch's, as under DDP). Only fitting is supported (the traced graph is the training-mode
 forward), without validation.
 
 Recomputation (plugins/recompute.py wraps blocks before the strategy sees the model) cannot be
@@ -40,11 +51,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble, SplitPoint, pipeline)
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from plugins.modules import child_name, repeated_block_list
+from plugins.sharding import shard_strategy_optimizers
 from runner.errors import ConfigError
 
 KEY = "strategy.pipeline"
@@ -55,19 +70,22 @@ SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": Sc
 BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 # Schedules placing one stage per rank; the others take the list of a rank's stages.
 SINGLE_STAGE = ("1F1B", "GPipe")
+MESH_DIMS = ("dp", "pp")  # rank = dp coordinate * pp_size + pp coordinate: a pipeline's ranks are consecutive
 
 
 def build_pipeline(schedule_mode: str, micro_batch_size: int, accumulate_steps: int, split_points: list[str],
-                   vpp_degree: int) -> "PipelineStrategy":
-    return PipelineStrategy(schedule_mode, micro_batch_size, accumulate_steps, split_points, vpp_degree)
+                   vpp_degree: int, data_parallel_size: int = 1,
+                   shard_optimizer_states: bool = False) -> "PipelineStrategy":
+    return PipelineStrategy(schedule_mode, micro_batch_size, accumulate_steps, split_points, vpp_degree,
+                            data_parallel_size, shard_optimizer_states)
 
 
-def stage_ranks(world_size: int, vpp_degree: int, schedule_mode: str) -> list[int]:
-    """The rank holding each stage: looping over the ranks (rank r holds r, r + W, ...), or in a
-    V for ZBV (rank r holds r and 2W - 1 - r, so the last stage is back on rank 0)."""
+def stage_ranks(pipeline_size: int, vpp_degree: int, schedule_mode: str) -> list[int]:
+    """The pipeline rank holding each stage: looping over the ranks (rank r holds r, r + P, ...),
+    or in a V for ZBV (rank r holds r and 2P - 1 - r, so the last stage is back on rank 0)."""
     if schedule_mode == "ZBVZeroBubble":
-        return [*range(world_size), *reversed(range(world_size))]
-    return [stage % world_size for stage in range(world_size * vpp_degree)]
+        return [*range(pipeline_size), *reversed(range(pipeline_size))]
+    return [stage % pipeline_size for stage in range(pipeline_size * vpp_degree)]
 
 
 def stage_split_points(model: nn.Module, split_points: list[str], num_stages: int) -> list[str]:
@@ -122,31 +140,43 @@ def balanced_cuts(weights: list[int], parts: int) -> list[int]:
 class PipelineStrategy(ModelParallelStrategy):
     """One pipeline rank per process running `schedule_mode` over `accumulate_steps` micro-batches
     of `micro_batch_size` samples per optimizer step; stages begin at `split_points` (balanced
-    over the repeated blocks when empty), `vpp_degree` of them per rank.
+    over the repeated blocks when empty), `vpp_degree` of them per rank. `data_parallel_size`
+    replicas of the pipeline read different batches; with `shard_optimizer_states` (ZeRO stage
+    1) each replica's optimizer steps only its share of the parameters.
 
-    ModelParallelStrategy brings the process group, the launcher and the distributed checkpoint;
-    its data-parallel size is 1, so every rank reads the same batches.
+    ModelParallelStrategy brings the process group, the launcher and the distributed checkpoint.
     """
 
     def __init__(self, schedule_mode: str, micro_batch_size: int, accumulate_steps: int, split_points: list[str],
-                 vpp_degree: int) -> None:
-        super().__init__(data_parallel_size=1)
+                 vpp_degree: int, data_parallel_size: int = 1, shard_optimizer_states: bool = False) -> None:
+        super().__init__(data_parallel_size=data_parallel_size)
         self.schedule_mode = schedule_mode
         self.micro_batch_size = micro_batch_size
         self.accumulate_steps = accumulate_steps
         self.split_points = list(split_points)
         self.vpp_degree = vpp_degree
+        self.data_parallel_size = data_parallel_size
+        self.shard_optimizer_states = shard_optimizer_states
         self.schedule: Any = None
         self.stages: list[Any] = []  # this rank's torch PipelineStages, in stage order
-        self.stage_ranks: list[int] = []
+        self.stage_ranks: list[int] = []  # the pipeline (pp group) rank holding each stage
         self._micro_batch_losses: list[torch.Tensor] = []
         self._gradients: list[Optional[torch.Tensor]] = []
 
     @override
     def setup_environment(self) -> None:
-        # The device mesh's second dimension spans all ranks (nothing in this strategy uses it).
-        self._tensor_parallel_size = self.world_size
-        super().setup_environment()
+        # The base class's process group, with our ("dp", "pp") mesh instead of its own; the
+        # schema checked that data_parallel_size divides the world size.
+        self._setup_distributed()
+        mesh_shape = (self.data_parallel_size, self.world_size // self.data_parallel_size)
+        self._device_mesh = init_device_mesh(self.root_device.type, mesh_shape, mesh_dim_names=MESH_DIMS)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The ranks of one pipeline read the same batches, the replicas different ones.
+        return {"num_replicas": self.data_parallel_size, "rank": self.device_mesh["dp"].get_local_rank()}
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -158,6 +188,8 @@ class PipelineStrategy(ModelParallelStrategy):
         self.model_to_device()
         self._build_schedule(trainer)
         self.setup_optimizers(trainer)
+        if self.shard_optimizer_states:
+            shard_strategy_optimizers(self, self.device_mesh["dp"].get_group())
         self.setup_precision_plugin()
         _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -181,7 +213,8 @@ class PipelineStrategy(ModelParallelStrategy):
 
     def _build_schedule(self, trainer: pl.Trainer) -> None:
         model = self.lightning_module
-        self.stage_ranks = stage_ranks(self.world_size, self.vpp_degree, self.schedule_mode)
+        pipeline_ranks = self.device_mesh["pp"]
+        self.stage_ranks = stage_ranks(pipeline_ranks.size(), self.vpp_degree, self.schedule_mode)
         wrappers = _take_off_checkpoint_wrappers(model)
         try:
             split_points = stage_split_points(model, self.split_points, len(self.stage_ranks))
@@ -196,10 +229,13 @@ class PipelineStrategy(ModelParallelStrategy):
                               f"split the forward into {pipe.num_stages} stages, not {len(self.stage_ranks)} "
                               "(each must be a module the forward calls, once)")
         for index, rank in enumerate(self.stage_ranks):
-            if rank == self.global_rank:
-                self.stages.append(pipe.build_stage(index, self.root_device))
+            if rank == pipeline_ranks.get_local_rank():
+                self.stages.append(pipe.build_stage(index, self.root_device, pipeline_ranks.get_group()))
                 _put_on_checkpoint_wrappers(self.stages[-1].submod, wrappers)
         _keep_only_stages(model, [stage.submod for stage in self.stages])
+        if self.data_parallel_size > 1:
+            for stage in self.stages:
+                _replicate(stage, self.device_mesh["dp"].get_group())
         schedule = SCHEDULES[self.schedule_mode]
         try:
             self.schedule = schedule(self.stages[0] if self.schedule_mode in SINGLE_STAGE else self.stages,
@@ -228,7 +264,9 @@ class PipelineStrategy(ModelParallelStrategy):
             raise ConfigError(KEY, None, f"a training batch of {inputs.size(0)} samples is not accumulate_steps * "
                                          f"micro_batch_size = {self.accumulate_steps} * {self.micro_batch_size} = "
                                          f"{expected}; set data.batch_size={expected} and drop a smaller last batch")
-        holds_first, holds_last = self.stage_ranks[0] == self.global_rank, self.stage_ranks[-1] == self.global_rank
+        pipeline_ranks = self.device_mesh["pp"]
+        pipeline_rank = pipeline_ranks.get_local_rank()
+        holds_first, holds_last = self.stage_ranks[0] == pipeline_rank, self.stage_ranks[-1] == pipeline_rank
         scaler: Optional[torch.amp.GradScaler] = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             scaler.scale(torch.zeros((), device=self.root_device))  # creates the scale on every rank: unscale_ needs it
@@ -243,7 +281,7 @@ class PipelineStrategy(ModelParallelStrategy):
         self._gradients = [parameter.grad for parameter in parameters]
         loss = (torch.stack(self._micro_batch_losses).mean() if holds_last
                 else torch.zeros((), device=self.root_device))
-        dist.broadcast(loss, src=self.stage_ranks[-1])
+        dist.broadcast(loss, group=pipeline_ranks.get_group(), group_src=self.stage_ranks[-1])
         self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True)
         return loss
 
@@ -256,7 +294,7 @@ class PipelineStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, optimizer, options=BY_NAME)
+        return get_optimizer_state_dict(self.model, _local_optimizer(optimizer), options=BY_NAME)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -269,8 +307,30 @@ class PipelineStrategy(ModelParallelStrategy):
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state["state_dict"])
         for key, optimizer in optimizers.items():
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key], options=BY_NAME)
+            set_optimizer_state_dict(self.model, _local_optimizer(optimizer), optim_state_dict=state[key],
+                                     options=BY_NAME)
+            if isinstance(optimizer, ZeroRedundancyOptimizer):  # the restored hyper-parameters, back up
+                optimizer._sync_param_groups(optimizer.optim.param_groups, optimizer.param_groups)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def _replicate(stage: Any, group: dist.ProcessGroup) -> None:
+    """Wrap the stage's module in DDP over `group`: the stage runs it without gradient sync but
+    at its last micro-batch's backward, so gradients are averaged over the replicas once a step."""
+    traced = stage.submod
+    stage.submod = DistributedDataParallel(traced, process_group=group)
+    stage.submod.graph = traced.graph  # which the stage reads for its p2p metadata at the first step
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer over this rank's share of the parameters: with ZeRO, its state by parameter
+    name is disjoint from the other replicas', so every rank saves its own into the checkpoint.
+    ZeRO copies its hyper-parameters (changed by LR schedulers) into the share only when it
+    steps; here they are copied at once."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    optimizer._sync_param_groups(optimizer.param_groups, optimizer.optim.param_groups)
+    return optimizer.optim
 
 
 def _inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,6 +93,15 @@ def shard_optimizer_states(optimizer: Optimizer, group: Any) -> FleetZeroRedunda
                                         process_group=group, **defaults)
 
 
+def shard_strategy_optimizers(strategy: Strategy, group: Any) -> None:
+    """Replace the optimizers Lightning set up on `strategy` by `shard_optimizer_states` over
+    `group`, re-pointing their LR schedulers (which step the optimizer they hold)."""
+    sharded = {id(optimizer): shard_optimizer_states(optimizer, group) for optimizer in strategy.optimizers}
+    strategy.optimizers = [sharded[id(optimizer)] for optimizer in strategy.optimizers]
+    for config in strategy.lr_scheduler_configs:
+        config.scheduler.optimizer = sharded[id(config.scheduler.optimizer)]
+
+
 class ZeroStage1Strategy(FleetDDPStrategy):
     """DDP whose optimizers are
     `FleetZeroRedundancyOptimizer`s over the dp_shard group of the mesh.
@@ -115,11 +124,7 @@ class ZeroStage1Strategy(FleetDDPStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        group = self.device_mesh["dp_shard"].get_group()
-        sharded = {id(optimizer): shard_optimizer_states(optimizer, group) for optimizer in self.optimizers}
-        self.optimizers = [sharded[id(optimizer)] for optimizer in self.optimizers]
-        for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = sharded[id(config.scheduler.optimizer)]
+        shard_strategy_optimizers(self, self.device_mesh["dp_shard"].get_group())
 
 
 # --------------------------------------------------------------------------- stages 2 and 3

@@ -1,7 +1,7 @@
 """Real 2-process training runs for the communication-strategy tests (gloo on CPU, no mocks).
 
 Test side: `run_two_ranks(script, tmp_path)` writes `script` into tmp_path and runs it under
-`python -m torch.distributed.run --standalone --nproc-per-node 2`, with this directory importable,
+`python -m torch.distributed.run --standalone --nproc-per-node 2` (or `nproc`), with this directory importable,
 so the script can `from distributed import ...` the rank side: `fit` (the real Lightning trainer
 with `plugins.ddp.build_ddp`), `AllReduceSpy` (counts what reaches `torch.distributed.all_reduce`)
 and `Record` (per-step parameters, losses, learning rates and collectives of one rank).
@@ -35,8 +35,8 @@ WORLD_SIZE = 2
 # --------------------------------------------------------------------------- test side
 
 
-def run_two_ranks(script: str, tmp_path: Path, timeout: float = 120) -> None:
-    """Run `script` (Python source; sys.argv[1] is tmp_path) in 2 processes; fail with their output."""
+def run_two_ranks(script: str, tmp_path: Path, timeout: float = 120, nproc: int = WORLD_SIZE) -> None:
+    """Run `script` (Python source; sys.argv[1] is tmp_path) in `nproc` processes; fail with their output."""
     path = tmp_path / "ranks.py"
     path.write_text(textwrap.dedent(script))
     paths = [str(HERE), str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
@@ -45,14 +45,14 @@ def run_two_ranks(script: str, tmp_path: Path, timeout: float = 120) -> None:
                 "SLURM_PROCID"):
         env.pop(var, None)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={WORLD_SIZE}", str(path), str(tmp_path)],
+                           f"--nproc-per-node={nproc}", str(path), str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"2-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    assert done.returncode == 0, f"{nproc}-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
 
 
-def load_ranks(tmp_path: Path, name: str = "record") -> List[Any]:
-    """What each rank saved with `save(name, obj)`, in rank order."""
-    return [torch.load(tmp_path / f"{name}.rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+def load_ranks(tmp_path: Path, name: str = "record", nproc: int = WORLD_SIZE) -> List[Any]:
+    """What each of `nproc` ranks saved with `save(name, obj)`, in rank order."""
+    return [torch.load(tmp_path / f"{name}.rank{rank}.pt", weights_only=False) for rank in range(nproc)]
 
 
 # --------------------------------------------------------------------------- rank side

@@ -1,26 +1,31 @@
 """Pipeline parallelism in real 2-process training (2 stages or 2 x 2 interleaved, gloo on CPU, no
 mocks): the schedules' gradients and losses are single-process training's, 1F1B holds fewer
-activations than GPipe, checkpoints resume, amp and recompute train; refusals in-process."""
+activations than GPipe, checkpoints resume, amp and recompute train; refusals in-process. In
+4 processes (2 stages x 2 data-parallel replicas, optionally ZeRO stage 1): training on the
+replicas' global batch, sharded optimizer states, one gradient reduction a step, resume."""
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 from distributed import load_ranks, run_two_ranks
 from plugins.pipeline import balanced_cuts, stage_ranks, stage_split_points
 from runner.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
 
-LR, MOMENTUM, MICRO, ACCUMULATE, STEPS, TRAIN_STEPS = 0.1, 0.9, 4, 4, 4, 25
+LR, MOMENTUM, MICRO, ACCUMULATE, STEPS, TRAIN_STEPS, ADAMW_LR, GAMMA = 0.1, 0.9, 4, 4, 4, 25, 0.01, 0.5
 EXACT = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2}  # schedule -> stages per process
+REPLICAS = 2  # data-parallel replicas of the 2-stage pipeline in the 4-process runs
 
-# One launch, every fit in the same 2 processes (each a new model, Trainer and strategy). All
-# train MLPClassifier(num_blocks=4) with SGD on batches of MICRO * ACCUMULATE samples.
-SCRIPT = """
+# The rank side of every launch: each fit is a new model, Trainer and strategy training
+# MLPClassifier(num_blocks=4) on batches of MICRO * ACCUMULATE samples per replica.
+RANK_SIDE = """
 import functools
 import sys
 from pathlib import Path
@@ -28,6 +33,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from bench.pipeline import SavedActivationBytes
 from distributed import save
@@ -43,40 +49,70 @@ torch.set_num_threads(1)
 
 
 class Recorder(pl.Callback):
-    # Per step: the batch, this rank's gradients by parameter name, the loss, and the peak bytes
-    # of activations saved for backward.
+    # Per step: the batch, this rank's gradients and (after the step) parameters by name, the
+    # loss, the peak bytes of activations saved for backward, the gradient reductions of the
+    # stages' DDP, and the state of the optimizer over this rank's share by parameter name.
     def __init__(self):
         self.steps = []
+        self.reductions = 0
 
     def on_train_start(self, trainer, pl_module):
         self.initial = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+        for stage in trainer.strategy.stages:
+            if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
+                stage.submod.register_comm_hook(stage.submod.process_group, self.reduce)
+
+    def reduce(self, group, bucket):
+        self.reductions += 1
+        return allreduce_hook(group, bucket)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.meter = SavedActivationBytes(list(pl_module.parameters()))
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
         self.hooks.__enter__()
-        self.steps.append({"batch": [t.clone() for t in batch]})
+        self.steps.append({"batch": [t.clone() for t in batch], "reductions": self.reductions})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.steps[-1]["grads"] = {name: p.grad.clone() for name, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.hooks.__exit__(None, None, None)
+        names = {id(p): name for name, p in pl_module.named_parameters()}
+        optimizer = trainer.optimizers[0]
+        state = getattr(optimizer, "optim", optimizer).state  # ZeroRedundancyOptimizer's is its share's
         self.steps[-1].update(loss=float(outputs["loss"]), peak_bytes=self.meter.peak,
-                              logged=float(trainer.callback_metrics["train_loss"]))
+                              logged=float(trainer.callback_metrics["train_loss"]),
+                              reductions=self.reductions - self.steps[-1]["reductions"],
+                              params={name: p.detach().clone() for name, p in pl_module.named_parameters()},
+                              state={names[id(p)]: {key: v.clone() for key, v in values.items() if torch.is_tensor(v)}
+                                     for p, values in state.items()})
+
+
+class DecayingLR(MLPClassifier):
+    # The learning rate falls by GAMMA every step: the optimizer's hyper-parameters change.
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def run(name, schedule, steps, vpp=1, micro=MICRO, accumulate=ACCUMULATE, batch_size=None, precision=None,
-        recompute=False, checkpoint_dir=None, ckpt_path=None, num_train=2048, momentum=MOMENTUM):
+        recompute=False, checkpoint_dir=None, ckpt_path=None, num_train=2048, momentum=MOMENTUM, replicas=1,
+        shard=False, decaying_adamw=False):
     pl.seed_everything(0, verbose=False)
-    model = MLPClassifier(num_blocks=4, optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=momentum))
+    if decaying_adamw:
+        model = DecayingLR(num_blocks=4, optimizer=functools.partial(torch.optim.AdamW, lr=ADAMW_LR))
+    else:
+        model = MLPClassifier(num_blocks=4, optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=momentum))
     if recompute:
         apply_recompute(model, "cpu", [], enable_offload=False)  # as the build step does, before the strategy
     recorder = Recorder()
     callbacks = [recorder]
     if checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, every_n_train_steps=steps, save_last=True))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=build_pipeline(schedule, micro, accumulate, [], vpp),
+    strategy = build_pipeline(schedule, micro, accumulate, [], vpp, data_parallel_size=replicas,
+                              shard_optimizer_states=shard)
+    trainer = pl.Trainer(accelerator="cpu", devices=2 * replicas, strategy=strategy,
                          plugins=[precision] if precision else [], callbacks=callbacks, max_steps=steps,
                          limit_val_batches=0, logger=False, enable_checkpointing=bool(checkpoint_dir),
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=OUT)
@@ -87,8 +123,13 @@ def run(name, schedule, steps, vpp=1, micro=MICRO, accumulate=ACCUMULATE, batch_
         save(name, {"error": str(error)})
         return
     save(name, {"initial": recorder.initial, "steps": recorder.steps, "stage_ranks": trainer.strategy.stage_ranks})
+"""
+CONSTANTS = "".join(f"{name} = {value!r}\n" for name, value in dict(
+    LR=LR, MOMENTUM=MOMENTUM, MICRO=MICRO, ACCUMULATE=ACCUMULATE, STEPS=STEPS, TRAIN_STEPS=TRAIN_STEPS,
+    ADAMW_LR=ADAMW_LR, GAMMA=GAMMA, EXACT=EXACT).items())
 
-
+# One launch, every fit in the same 2 processes.
+SCRIPT = CONSTANTS + RANK_SIDE + """
 for schedule, vpp in EXACT.items():
     run(schedule, schedule, STEPS, vpp)
 run("mem_1F1B", "1F1B", 1, micro=2, accumulate=8)
@@ -103,10 +144,20 @@ run("recompute", "1F1B", TRAIN_STEPS, recompute=True, momentum=0)
 run("zbv", "ZBVZeroBubble", 1, vpp=2)
 run("bad_batch", "1F1B", 1, batch_size=12)
 """
-SCRIPT = "".join(f"{name} = {value!r}\n" for name, value in dict(
-    LR=LR, MOMENTUM=MOMENTUM, MICRO=MICRO, ACCUMULATE=ACCUMULATE, STEPS=STEPS, TRAIN_STEPS=TRAIN_STEPS,
-    EXACT=EXACT).items()) + SCRIPT
 RUNS = (*EXACT, "mem_1F1B", "mem_GPipe", "first", "resumed", "full", "bf16", "recompute", "zbv", "bad_batch")
+
+# One launch of 4 processes: 1F1B over 2 stages x REPLICAS replicas with AdamW and a decaying
+# learning rate, its optimizer states unsharded ("dp") and sharded over the replicas ("zero"); 64
+# samples = 2 steps of both replicas' batches: "zero_first" ends an epoch and checkpoints there,
+# "zero_resumed" goes on to STEPS.
+DP_SCRIPT = CONSTANTS + RANK_SIDE + f"""
+DP = dict(replicas={REPLICAS}, decaying_adamw=True, num_train=64)
+run("dp", "1F1B", STEPS, **DP)
+run("zero", "1F1B", STEPS, shard=True, **DP)
+run("zero_first", "1F1B", 2, shard=True, checkpoint_dir="zero_ckpt", **DP)
+run("zero_resumed", "1F1B", STEPS, shard=True, ckpt_path=OUT / "zero_ckpt" / "last.ckpt", **DP)
+"""
+DP_RUNS = ("dp", "zero", "zero_first", "zero_resumed")
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +166,14 @@ def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("pipeline")
     run_two_ranks(SCRIPT, tmp_path, timeout=240)
     return {name: load_ranks(tmp_path, name) for name in RUNS}
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """{run name: the 4 ranks' records}, rank = replica * 2 + pipeline rank; "dir": the run directory."""
+    tmp_path = tmp_path_factory.mktemp("pipeline_dp")
+    run_two_ranks(DP_SCRIPT, tmp_path, timeout=240, nproc=2 * REPLICAS)
+    return {"dir": tmp_path, **{name: load_ranks(tmp_path, name, nproc=2 * REPLICAS) for name in DP_RUNS}}
 
 
 # --------------------------------------------------------------------------- in-process
@@ -153,24 +212,32 @@ def test_unsplittable_models_are_refused(model, split_points, stages, message):
 # --------------------------------------------------------------------------- 2 processes
 
 
-def reference_steps(record: list, steps: int) -> list:
-    """Single-process training on the same batches: a plain model with the same initial weights,
-    the mean of the micro-batch losses, backward, momentum SGD; per step (loss, {name: grad})."""
+def reference_steps(record: list, steps: int, replicas: int = 1,
+                    optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM),
+                    gamma: float = 1.0) -> list:
+    """Single-process training on the global batches (the replicas' batches, read by their first
+    ranks, one after the other): a plain model with the same initial weights, the mean of all
+    micro-batch losses, backward, `optimizer` with its learning rate times `gamma` after each
+    step; per step (loss, {name: grad}, {name: parameter after the step})."""
     pl.seed_everything(0, verbose=False)
     model = MLPClassifier(num_blocks=4)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(next(rank["initial"][name] for rank in record if name in rank["initial"]))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    optimizer = optimizer(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=gamma)
     results = []
     for step in range(steps):
-        inputs, targets = record[0]["steps"][step]["batch"]
+        batches = [rank["steps"][step]["batch"] for rank in record[:: len(record) // replicas]]
+        inputs, targets = (torch.cat(tensors) for tensors in zip(*batches))
         optimizer.zero_grad()
-        loss = torch.stack([model.loss(model(x), y) for x, y in zip(inputs.chunk(ACCUMULATE), targets.chunk(ACCUMULATE))]
-                           ).mean()
+        loss = torch.stack([model.loss(model(x), y) for x, y in zip(inputs.chunk(ACCUMULATE * replicas),
+                                                                       targets.chunk(ACCUMULATE * replicas))]).mean()
         loss.backward()
-        results.append((loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
+        scheduler.step()
+        results.append((loss.item(), grads, {name: p.detach().clone() for name, p in model.named_parameters()}))
     return results
 
 
@@ -181,7 +248,7 @@ def test_schedule_matches_single_process_training(runs, schedule):
     held = [set(rank["initial"]) for rank in ranks]
     assert sorted(held[0] | held[1]) == sorted(names) and not held[0] & held[1]  # each parameter on one rank
     assert len(ranks[0]["stage_ranks"]) == 2 * EXACT[schedule]
-    for step, (loss, grads) in enumerate(reference_steps(ranks, STEPS)):
+    for step, (loss, grads, _) in enumerate(reference_steps(ranks, STEPS)):
         for rank in ranks:
             record = rank["steps"][step]
             assert all(torch.equal(a, b) for a, b in zip(record["batch"], ranks[0]["steps"][step]["batch"]))
@@ -228,3 +295,63 @@ def test_runtime_refusals(runs):
                                  "micro_batch_size = 4 * 4 = 16; set data.batch_size=16 and drop a smaller last batch")
     for rank in runs["zbv"]:
         assert rank["error"].startswith("strategy.pipeline.schedule_mode='ZBVZeroBubble': fails on the gloo backend")
+
+
+# --------------------------------------------------------------------------- 4 processes: 2 stages x 2 replicas
+
+
+@pytest.mark.parametrize("name", ["dp", "zero"])
+def test_replicas_train_the_pipeline_on_the_global_batch(dp_runs, name):
+    ranks = dp_runs[name]
+    pipelines = [ranks[replica * 2: replica * 2 + 2] for replica in range(REPLICAS)]
+    names = [key for key, _ in MLPClassifier(num_blocks=4).named_parameters()]
+    for first, last in pipelines:  # each parameter on one rank of each pipeline, the same one in all
+        assert sorted([*first["initial"], *last["initial"]]) == sorted(names)
+        assert not first["initial"].keys() & last["initial"].keys()
+        assert first["initial"].keys() == pipelines[0][0]["initial"].keys()
+        assert first["stage_ranks"] == last["stage_ranks"] == [0, 1]  # ranks within the pipeline
+    adamw = functools.partial(torch.optim.AdamW, lr=ADAMW_LR)
+    for step, (loss, grads, params) in enumerate(reference_steps(ranks, STEPS, REPLICAS, adamw, GAMMA)):
+        records = [rank["steps"][step] for rank in ranks]
+        for first, last in pipelines:  # a pipeline's ranks read one batch and log its loss
+            assert all(torch.equal(a, b) for a, b in zip(first["steps"][step]["batch"], last["steps"][step]["batch"]))
+            assert first["steps"][step]["loss"] == last["steps"][step]["loss"]
+        assert not torch.equal(records[0]["batch"][0], records[2]["batch"][0])  # the replicas' differ
+        assert sum(record["loss"] for record in records[::2]) / REPLICAS == pytest.approx(loss, abs=1e-5)
+        for mine, replica in zip(records[:2], records[2:]):
+            assert all(torch.equal(mine["params"][key], p) for key, p in replica["params"].items())
+        for record in records:
+            assert record["reductions"] == 1  # the stage's gradients, in one bucket, once a step
+            for key, grad in record["grads"].items():
+                torch.testing.assert_close(grad, grads[key], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(record["params"][key], params[key], rtol=1e-5, atol=1e-5)
+
+
+def test_zero_shards_the_optimizer_states_over_the_replicas(dp_runs):
+    def state_bytes(record):
+        return sum(t.numel() * t.element_size() for values in record["state"].values() for t in values.values())
+
+    for rank in range(2):
+        unsharded = dp_runs["dp"][rank]["steps"][-1]
+        shares = [dp_runs["zero"][replica * 2 + rank]["steps"][-1] for replica in range(REPLICAS)]
+        held = [set(share["state"]) for share in shares]
+        assert held[0] | held[1] == set(unsharded["state"]) == set(unsharded["params"]) and not held[0] & held[1]
+        for share in shares:  # whole tensors, about half of the stage's states each
+            assert all(values["exp_avg"].shape == share["params"][key].shape for key, values in share["state"].items())
+            assert 0.3 < state_bytes(share) / state_bytes(unsharded) < 0.7
+        assert sum(map(state_bytes, shares)) == state_bytes(unsharded)
+
+
+def test_resume_with_replicas_and_zero_gives_the_same_losses(dp_runs):
+    # ZeRO copies the decayed learning rate into each rank's share only when it steps: the
+    # checkpoint must hold the decayed one, and resuming must give it back to ZeRO.
+    for first, resumed, full in zip(dp_runs["zero_first"], dp_runs["zero_resumed"], dp_runs["zero"]):
+        assert [s["loss"] for s in first["steps"]] == [s["loss"] for s in full["steps"][:2]]
+        assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in full["steps"][2:]]
+        for mine, reference in zip(resumed["steps"], full["steps"][2:]):
+            assert all(torch.equal(mine["params"][key], p) for key, p in reference["params"].items())
+    # One directory; what the replicas hold twice (parameters) is written once.
+    checkpoint = dp_runs["dir"] / "zero_ckpt" / "last.ckpt"
+    metadata = FileSystemReader(checkpoint).read_metadata()
+    written = sum(path.stat().st_size for path in checkpoint.glob("*.distcp"))
+    assert written == sum(info.length for info in metadata.storage_data.values())

@@ -40,10 +40,11 @@ def test_strategy_without_plugin_is_refused_by_name(lightfleet):
     assert_one_line_error(lightfleet("strategy=[amp,auto]"), "lightfleet: refused: auto is not available yet")
 
 
-def test_pipeline_with_sharding_is_refused_with_the_reason(lightfleet):
-    assert_one_line_error(lightfleet("strategy=[pipeline,sharding]"),
-                          "lightfleet: refused: pipeline+sharding is not an allowed combination",
-                          "sharding stage >= 2 would re-gather them for every micro-batch")
+def test_pipeline_with_sharding_stage_2_is_refused_with_the_reason(lightfleet):
+    assert_one_line_error(lightfleet("strategy=[pipeline,sharding]", "strategy.sharding.stage=2",
+                                     "strategy.sharding.pp_degree=2", "trainer.devices=4"),
+                          "strategy.sharding.stage=2: with pipeline only stage 1: pipeline stages keep their "
+                          "parameters whole, and stages 2 and 3 would gather them again for every micro-batch")
 
 
 def test_degree_product_is_checked_before_any_process_starts(lightfleet, tmp_path):
