@@ -15,6 +15,8 @@ from runner.records import write_yaml
 
 def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
     """Build, fit, and record the final metrics (rank 0 writes build.yaml and results.yaml)."""
+    import torch
+
     from runner.build import build
 
     run_dir = Path(spec.cfg.paths.output_dir)
@@ -27,6 +29,11 @@ def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
     results["global_step"] = trainer.global_step
     if trainer.is_global_zero:
         write_yaml(run_dir / "results.yaml", results)
+    if torch.distributed.is_initialized():
+        # Left to interpreter exit, the process group's communication threads can be torn down
+        # while still joinable, which aborts the rank ("terminate called without an active
+        # exception") after a successful run.
+        torch.distributed.destroy_process_group()
     return results
 
 
