@@ -1,6 +1,7 @@
 """Sharding (ZeRO stages 1-3) in real 2-process training (gloo on CPU, no mocks): what each rank
-holds, equality with plain DDP, offload, the degree check, sharded checkpoints and their export,
-LAMB on sharded parameters, and HSDP."""
+holds, equality with plain DDP, offload, sharded checkpoints and their export, LAMB on sharded
+parameters, accumulation, HSDP, and tensor parallelism through the runner. (The degree product is
+checked before any process starts: tests/runner/test_plan.py and test_cli.py.)"""
 from __future__ import annotations
 
 import os
