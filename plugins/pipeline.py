@@ -24,8 +24,14 @@ last, whose loss is the model's `loss(outputs, targets)` per micro-batch; the sc
 backward itself, so the gradient is that of the mean micro-batch loss (over all replicas'
 micro-batches). The user's `training_step` is bypassed: the mean loss is broadcast from the last
 stage and logged as `train_loss` on every rank of the pipeline (each replica logs its own
-batch's, as under DDP). Only fitting is supported (the traced graph is the training-mode
-forward), without validation.
+batch's, as under DDP). Only fitting is supported.
+
+Validation runs inside fitting, forward only. The traced graph bakes in the module modes it was
+traced in (batch norm's batch statistics and running-stat updates, dropout), so the model is
+traced a second time in eval mode into stages sharing the same parameter and buffer objects; a
+validation step runs the same schedule's `eval()` over those stages. The user's
+`validation_step` is bypassed too: only `val_loss` is logged, the mean micro-batch loss
+broadcast from the last stage, averaged over the replicas (`sync_dist`).
 
 Recomputation (plugins/recompute.py wraps blocks before the strategy sees the model) cannot be
 traced through; the wrappers are taken off for tracing and the same wrappers are put around
@@ -33,10 +39,11 @@ the traced blocks, which then recompute in backward as before.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -159,6 +166,8 @@ class PipelineStrategy(ModelParallelStrategy):
         self.shard_optimizer_states = shard_optimizer_states
         self.schedule: Any = None
         self.stages: list[Any] = []  # this rank's torch PipelineStages, in stage order
+        self.eval_schedule: Any = None  # the same schedule over the eval-mode stages
+        self.eval_stages: list[Any] = []
         self.stage_ranks: list[int] = []  # the pipeline (pp group) rank holding each stage
         self._micro_batch_losses: list[torch.Tensor] = []
         self._gradients: list[Optional[torch.Tensor]] = []
@@ -195,14 +204,11 @@ class PipelineStrategy(ModelParallelStrategy):
 
     def _refuse_unsupported(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
-            raise ConfigError(KEY, None, f"pipeline stages are built for training only, not trainer.{trainer.state.fn}")
+            raise ConfigError(KEY, None, f"pipeline stages are built by trainer.fit only (which validates too), "
+                                         f"not trainer.{trainer.state.fn}")
         if not callable(getattr(self.lightning_module, "loss", None)):
             raise ConfigError("model", type(self.lightning_module).__name__,
                               "has no loss(outputs, targets) method, which the last pipeline stage calls per micro-batch")
-        if trainer.limit_val_batches != 0 and pl.utilities.model_helpers.is_overridden("validation_step",
-                                                                                    self.lightning_module):
-            raise ConfigError("trainer.limit_val_batches", trainer.limit_val_batches,
-                              "must be 0 with strategy pipeline, which traces the training forward only")
         if self.schedule_mode == "ZBVZeroBubble" and dist.get_backend() == "gloo":
             raise ConfigError(f"{KEY}.schedule_mode", self.schedule_mode,
                               "fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a gloo "
@@ -221,25 +227,36 @@ class PipelineStrategy(ModelParallelStrategy):
             example = self._example_micro_batch(trainer)
             # Under autocast, as in training: the stages' p2p buffers take the traced dtypes.
             with self.precision_plugin.train_step_context():
-                pipe = _trace(model, example, split_points)
+                self.stages = self._build_stages(model, example, split_points)
+            with self.precision_plugin.val_step_context(), _in_eval_mode(model):
+                self.eval_stages = self._build_stages(model, example, split_points)
         finally:
             _put_on_checkpoint_wrappers(model, wrappers)
+        for stage in self.stages:  # forward only, the eval stages have nothing to recompute
+            _put_on_checkpoint_wrappers(stage.submod, wrappers)
+        _keep_only_stages(model, [stage.submod for stage in (*self.stages, *self.eval_stages)])
+        if self.data_parallel_size > 1:
+            for stage in self.stages:
+                _replicate(stage, self.device_mesh["dp"].get_group())
+        self.schedule = self._schedule_over(self.stages)
+        self.eval_schedule = self._schedule_over(self.eval_stages)
+
+    def _build_stages(self, model: nn.Module, example: torch.Tensor, split_points: list[str]) -> list[Any]:
+        """This rank's stages of `model` traced (in its current mode) on `example`."""
+        pipe = _trace(model, example, split_points)
         if pipe.num_stages != len(self.stage_ranks):
             raise ConfigError(f"{KEY}.split_points", split_points,
                               f"split the forward into {pipe.num_stages} stages, not {len(self.stage_ranks)} "
                               "(each must be a module the forward calls, once)")
-        for index, rank in enumerate(self.stage_ranks):
-            if rank == pipeline_ranks.get_local_rank():
-                self.stages.append(pipe.build_stage(index, self.root_device, pipeline_ranks.get_group()))
-                _put_on_checkpoint_wrappers(self.stages[-1].submod, wrappers)
-        _keep_only_stages(model, [stage.submod for stage in self.stages])
-        if self.data_parallel_size > 1:
-            for stage in self.stages:
-                _replicate(stage, self.device_mesh["dp"].get_group())
+        pipeline_ranks = self.device_mesh["pp"]
+        return [pipe.build_stage(index, self.root_device, pipeline_ranks.get_group())
+                for index, rank in enumerate(self.stage_ranks) if rank == pipeline_ranks.get_local_rank()]
+
+    def _schedule_over(self, stages: list[Any]) -> Any:
         schedule = SCHEDULES[self.schedule_mode]
         try:
-            self.schedule = schedule(self.stages[0] if self.schedule_mode in SINGLE_STAGE else self.stages,
-                                     n_microbatches=self.accumulate_steps, loss_fn=self._micro_batch_loss)
+            return schedule(stages[0] if self.schedule_mode in SINGLE_STAGE else stages,
+                            n_microbatches=self.accumulate_steps, loss_fn=self._micro_batch_loss)
         except ValueError as error:
             raise ConfigError(f"{KEY}.accumulate_steps", self.accumulate_steps, str(error).replace("\n", " ")) from None
 
@@ -258,31 +275,55 @@ class PipelineStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        inputs, targets = _inputs_and_targets(args[0])
-        expected = self.micro_batch_size * self.accumulate_steps
-        if inputs.size(0) != expected:
-            raise ConfigError(KEY, None, f"a training batch of {inputs.size(0)} samples is not accumulate_steps * "
-                                         f"micro_batch_size = {self.accumulate_steps} * {self.micro_batch_size} = "
-                                         f"{expected}; set data.batch_size={expected} and drop a smaller last batch")
-        pipeline_ranks = self.device_mesh["pp"]
-        pipeline_rank = pipeline_ranks.get_local_rank()
-        holds_first, holds_last = self.stage_ranks[0] == pipeline_rank, self.stage_ranks[-1] == pipeline_rank
+        inputs, targets = self._check_batch(args[0], "training", "drop a smaller last batch")
         scaler: Optional[torch.amp.GradScaler] = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             scaler.scale(torch.zeros((), device=self.root_device))  # creates the scale on every rank: unscale_ needs it
-        self._micro_batch_losses.clear()
         # Lightning zeroes the gradients after training_step, before backward: the schedule starts
         # from none, and its gradients are kept aside until backward() puts them back.
         parameters = list(self.lightning_module.parameters())
         for parameter in parameters:
             parameter.grad = None
         with self.precision_plugin.train_step_context():
-            self.schedule.step(*([inputs] if holds_first else []), target=targets if holds_last else None)
+            loss = self._run(self.schedule.step, inputs, targets)
         self._gradients = [parameter.grad for parameter in parameters]
+        self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The eval-mode stages, forward only; logs `val_loss` in place of the model's validation_step."""
+        # DistributedSampler gives each replica ceil(num_val / replicas) samples.
+        per_step = self.micro_batch_size * self.accumulate_steps * self.data_parallel_size
+        inputs, targets = self._check_batch(args[0], "validation", f"make the validation set a multiple of {per_step} "
+                                                                   "samples (e.g. data.num_val)")
+        with self.precision_plugin.val_step_context():
+            loss = self._run(self.eval_schedule.eval, inputs, targets)
+        # Each rank holds its pipeline's loss, so the mean over all ranks is the replicas' mean.
+        self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def _check_batch(self, batch: Any, kind: str, fix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's (inputs, targets), refused unless it holds the micro-batches the stages were built for."""
+        inputs, targets = _inputs_and_targets(batch)
+        expected = self.micro_batch_size * self.accumulate_steps
+        if inputs.size(0) != expected:
+            raise ConfigError(KEY, None, f"a {kind} batch of {inputs.size(0)} samples is not accumulate_steps * "
+                                         f"micro_batch_size = {self.accumulate_steps} * {self.micro_batch_size} = "
+                                         f"{expected}; set data.batch_size={expected} and {fix}")
+        return inputs, targets
+
+    def _run(self, run_schedule: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`run_schedule` (a schedule's step or eval) with the inputs on the first stage and the targets
+        on the last; the mean micro-batch loss, broadcast from the last stage over the pipeline."""
+        pipeline_ranks = self.device_mesh["pp"]
+        pipeline_rank = pipeline_ranks.get_local_rank()
+        holds_first, holds_last = self.stage_ranks[0] == pipeline_rank, self.stage_ranks[-1] == pipeline_rank
+        self._micro_batch_losses.clear()
+        run_schedule(*([inputs] if holds_first else []), target=targets if holds_last else None)
         loss = (torch.stack(self._micro_batch_losses).mean() if holds_last
                 else torch.zeros((), device=self.root_device))
         dist.broadcast(loss, group=pipeline_ranks.get_group(), group_src=self.stage_ranks[-1])
-        self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True)
         return loss
 
     @override
@@ -355,6 +396,18 @@ def _trace(model: nn.Module, example: torch.Tensor, split_points: list[str]) -> 
             module.__dict__.pop("forward", None)
             if forward is not None:
                 module.forward = forward
+
+
+@contextlib.contextmanager
+def _in_eval_mode(model: nn.Module) -> Iterator[None]:
+    """`model` in eval mode, each module's own mode restored after."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.train(training)
 
 
 def _take_off_checkpoint_wrappers(model: nn.Module) -> dict[str, CheckpointWrapper]:

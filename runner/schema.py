@@ -375,7 +375,8 @@ class PipelineConfig:
     """Pipeline parallelism (Fleet: `paddle.distributed.Strategy().pipeline`): the model is cut
     into stages held by different processes, and each batch flows through them in
     micro-batches on a torch.distributed.pipelining schedule. The last stage computes the loss
-    with the model's `loss(outputs, targets)`; the model's `training_step` is not called."""
+    with the model's `loss(outputs, targets)`; the model's `training_step` and `validation_step`
+    are not called (train_loss and val_loss are logged)."""
 
     name: ClassVar[str] = "pipeline"
 
@@ -448,17 +449,17 @@ class PipelineConfig:
                   "vpp_degree": self.vpp_degree}
         if sharding is not None:
             kwargs.update(data_parallel_size=replicas, shard_optimizer_states=True)
-        # The stages are traced from the training-mode forward; a validation loop would need a
-        # second, forward-only schedule over the same stages.
+        samples = kwargs["micro_batch_size"] * self.accumulate_steps
         return Contribution(
             lightning_strategy=Component("plugins.pipeline:build_pipeline", kwargs),
             # accumulate_steps micro-batches already make one optimizer step.
-            trainer_args={"limit_val_batches": 0, "num_sanity_val_steps": 0, "accumulate_grad_batches": 1},
-            notes=["pipeline: the model's training_step is bypassed; each rank builds the whole model, keeps "
-                   "its stages, and logs the loss of the last stage as train_loss; validation is off",
-                   f"pipeline: every training batch must hold micro_batch_size x accumulate_steps = "
-                   f"{kwargs['micro_batch_size'] * self.accumulate_steps} samples (drop a smaller last batch); "
-                   f"checkpoints are directories holding each stage's part"])
+            trainer_args={"accumulate_grad_batches": 1},
+            notes=["pipeline: the model's training_step and validation_step are bypassed; each rank builds the "
+                   "whole model, keeps its stages, and logs the loss of the last stage as train_loss, and its "
+                   "eval-mode loss as val_loss (no other validation metric)",
+                   f"pipeline: every training and validation batch must hold micro_batch_size x accumulate_steps "
+                   f"= {samples} samples (drop a smaller last training batch; the validation set must divide into "
+                   f"them); checkpoints are directories holding each stage's part"])
 
 
 @dataclass

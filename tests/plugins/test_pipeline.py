@@ -1,8 +1,10 @@
 """Pipeline parallelism in real 2-process training (2 stages or 2 x 2 interleaved, gloo on CPU, no
-mocks): the schedules' gradients and losses are single-process training's, 1F1B holds fewer
+mocks): the schedules' gradients and losses are single-process training's, validation losses the
+unsplit model's in eval mode (batch norm too, its statistics left alone), 1F1B holds fewer
 activations than GPipe, checkpoints resume, amp and recompute train; refusals in-process. In
 4 processes (2 stages x 2 data-parallel replicas, optionally ZeRO stage 1): training on the
-replicas' global batch, sharded optimizer states, one gradient reduction a step, resume."""
+replicas' global batch, validation averaged over them, sharded optimizer states, one gradient
+reduction a step, resume."""
 from __future__ import annotations
 
 import functools
@@ -17,14 +19,17 @@ from torch.distributed.checkpoint import FileSystemReader
 from distributed import load_ranks, run_two_ranks
 from plugins.pipeline import balanced_cuts, stage_ranks, stage_split_points
 from runner.errors import ConfigError
-from runner.models import GPTDecoder, MLPClassifier
+from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier
 
 LR, MOMENTUM, MICRO, ACCUMULATE, STEPS, TRAIN_STEPS, ADAMW_LR, GAMMA = 0.1, 0.9, 4, 4, 4, 25, 0.01, 0.5
+VAL_EVERY, VAL_BATCHES = 2, 2  # validating runs: 2 batches every 2 steps
+IMAGE = (3, 16, 16)  # ResNetClassifier's input shape (batch norm)
 EXACT = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2}  # schedule -> stages per process
 REPLICAS = 2  # data-parallel replicas of the 2-stage pipeline in the 4-process runs
 
 # The rank side of every launch: each fit is a new model, Trainer and strategy training
-# MLPClassifier(num_blocks=4) on batches of MICRO * ACCUMULATE samples per replica.
+# MLPClassifier(num_blocks=4) (or ResNetClassifier on images) on batches of MICRO * ACCUMULATE
+# samples per replica.
 RANK_SIDE = """
 import functools
 import sys
@@ -42,7 +47,7 @@ from plugins.pipeline import build_pipeline
 from plugins.recompute import apply_recompute
 from runner.data import SyntheticClassificationData
 from runner.errors import ConfigError
-from runner.models import MLPClassifier
+from runner.models import MLPClassifier, ResNetClassifier
 
 OUT = Path(sys.argv[1])
 torch.set_num_threads(1)
@@ -51,10 +56,13 @@ torch.set_num_threads(1)
 class Recorder(pl.Callback):
     # Per step: the batch, this rank's gradients and (after the step) parameters by name, the
     # loss, the peak bytes of activations saved for backward, the gradient reductions of the
-    # stages' DDP, and the state of the optimizer over this rank's share by parameter name.
+    # stages' DDP, and the state of the optimizer over this rank's share by parameter name. Per
+    # validation: its batches, this rank's buffers before it, its state_dict after, the logged val_loss.
     def __init__(self):
         self.steps = []
+        self.validations = []
         self.reductions = 0
+        self.hooks = None
 
     def on_train_start(self, trainer, pl_module):
         self.initial = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
@@ -76,7 +84,7 @@ class Recorder(pl.Callback):
         self.steps[-1]["grads"] = {name: p.grad.clone() for name, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.hooks.__exit__(None, None, None)
+        self.stop_metering()
         names = {id(p): name for name, p in pl_module.named_parameters()}
         optimizer = trainer.optimizers[0]
         state = getattr(optimizer, "optim", optimizer).state  # ZeroRedundancyOptimizer's is its share's
@@ -86,6 +94,24 @@ class Recorder(pl.Callback):
                               params={name: p.detach().clone() for name, p in pl_module.named_parameters()},
                               state={names[id(p)]: {key: v.clone() for key, v in values.items() if torch.is_tensor(v)}
                                      for p, values in state.items()})
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.stop_metering()  # a refused training batch ends no batch: the next fit must not be metered
+
+    def stop_metering(self):
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+            self.hooks = None
+
+    def on_validation_start(self, trainer, pl_module):
+        self.validations.append({"batches": [], "buffers": {name: b.clone() for name, b in pl_module.named_buffers()}})
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.validations[-1]["batches"].append([t.clone() for t in batch])
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations[-1].update(val_loss=float(trainer.callback_metrics["val_loss"]),
+                                    state={name: t.clone() for name, t in pl_module.state_dict().items()})
 
 
 class DecayingLR(MLPClassifier):
@@ -98,12 +124,17 @@ class DecayingLR(MLPClassifier):
 
 def run(name, schedule, steps, vpp=1, micro=MICRO, accumulate=ACCUMULATE, batch_size=None, precision=None,
         recompute=False, checkpoint_dir=None, ckpt_path=None, num_train=2048, momentum=MOMENTUM, replicas=1,
-        shard=False, decaying_adamw=False):
+        shard=False, decaying_adamw=False, val_batches=0, val_every=None, sanity=0, num_val=512, images=False):
+    # val_batches validation batches (None: all) every val_every steps (None: at the epoch's end),
+    # `sanity` before training; images: ResNetClassifier (batch norm) on IMAGE-shaped inputs.
     pl.seed_everything(0, verbose=False)
+    sgd = functools.partial(torch.optim.SGD, lr=LR, momentum=momentum)
     if decaying_adamw:
         model = DecayingLR(num_blocks=4, optimizer=functools.partial(torch.optim.AdamW, lr=ADAMW_LR))
+    elif images:
+        model = ResNetClassifier(optimizer=sgd)
     else:
-        model = MLPClassifier(num_blocks=4, optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=momentum))
+        model = MLPClassifier(num_blocks=4, optimizer=sgd)
     if recompute:
         apply_recompute(model, "cpu", [], enable_offload=False)  # as the build step does, before the strategy
     recorder = Recorder()
@@ -114,24 +145,32 @@ def run(name, schedule, steps, vpp=1, micro=MICRO, accumulate=ACCUMULATE, batch_
                               shard_optimizer_states=shard)
     trainer = pl.Trainer(accelerator="cpu", devices=2 * replicas, strategy=strategy,
                          plugins=[precision] if precision else [], callbacks=callbacks, max_steps=steps,
-                         limit_val_batches=0, logger=False, enable_checkpointing=bool(checkpoint_dir),
+                         limit_val_batches=val_batches, val_check_interval=val_every, num_sanity_val_steps=sanity,
+                         logger=False, enable_checkpointing=bool(checkpoint_dir),
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=OUT)
-    data = SyntheticClassificationData(batch_size=batch_size or micro * accumulate, num_train=num_train)
+    data = SyntheticClassificationData(input_shape=IMAGE if images else (32,), num_train=num_train, num_val=num_val,
+                                       batch_size=batch_size or micro * accumulate)
     try:
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except ConfigError as error:
         save(name, {"error": str(error)})
         return
-    save(name, {"initial": recorder.initial, "steps": recorder.steps, "stage_ranks": trainer.strategy.stage_ranks})
+    save(name, {"initial": recorder.initial, "steps": recorder.steps, "stage_ranks": trainer.strategy.stage_ranks,
+                "validations": recorder.validations})
 """
 CONSTANTS = "".join(f"{name} = {value!r}\n" for name, value in dict(
     LR=LR, MOMENTUM=MOMENTUM, MICRO=MICRO, ACCUMULATE=ACCUMULATE, STEPS=STEPS, TRAIN_STEPS=TRAIN_STEPS,
-    ADAMW_LR=ADAMW_LR, GAMMA=GAMMA, EXACT=EXACT).items())
+    ADAMW_LR=ADAMW_LR, GAMMA=GAMMA, EXACT=EXACT, VAL_EVERY=VAL_EVERY, VAL_BATCHES=VAL_BATCHES, IMAGE=IMAGE).items())
+
+# Validating runs: VAL_BATCHES batches after every VAL_EVERY steps.
+VALIDATE = f"VALIDATE = dict(val_batches={VAL_BATCHES}, val_every={VAL_EVERY})\n"
 
 # One launch, every fit in the same 2 processes.
-SCRIPT = CONSTANTS + RANK_SIDE + """
+SCRIPT = CONSTANTS + RANK_SIDE + VALIDATE + """
 for schedule, vpp in EXACT.items():
-    run(schedule, schedule, STEPS, vpp)
+    run(schedule, schedule, STEPS, vpp, **VALIDATE)
+# With a sanity check: validation before the first training step.
+run("batch_norm", "1F1B", STEPS, images=True, sanity=VAL_BATCHES, **VALIDATE)
 run("mem_1F1B", "1F1B", 1, micro=2, accumulate=8)
 run("mem_GPipe", "GPipe", 1, micro=2, accumulate=8)
 # 32 samples = 2 steps: "first" ends an epoch and checkpoints there, "resumed" goes on to STEPS.
@@ -143,16 +182,19 @@ run("bf16", "1F1B", TRAIN_STEPS, precision=build_precision("cpu", "bfloat16"), m
 run("recompute", "1F1B", TRAIN_STEPS, recompute=True, momentum=0)
 run("zbv", "ZBVZeroBubble", 1, vpp=2)
 run("bad_batch", "1F1B", 1, batch_size=12)
+# 32 training samples = 2 steps, then validation on 24 samples: a batch of 16, then one of 8.
+run("bad_val_batch", "1F1B", 2, num_train=32, num_val=24, val_batches=None)
 """
-RUNS = (*EXACT, "mem_1F1B", "mem_GPipe", "first", "resumed", "full", "bf16", "recompute", "zbv", "bad_batch")
+RUNS = (*EXACT, "batch_norm", "mem_1F1B", "mem_GPipe", "first", "resumed", "full", "bf16", "recompute", "zbv",
+        "bad_batch", "bad_val_batch")
 
 # One launch of 4 processes: 1F1B over 2 stages x REPLICAS replicas with AdamW and a decaying
 # learning rate, its optimizer states unsharded ("dp") and sharded over the replicas ("zero"); 64
 # samples = 2 steps of both replicas' batches: "zero_first" ends an epoch and checkpoints there,
 # "zero_resumed" goes on to STEPS.
-DP_SCRIPT = CONSTANTS + RANK_SIDE + f"""
+DP_SCRIPT = CONSTANTS + RANK_SIDE + VALIDATE + f"""
 DP = dict(replicas={REPLICAS}, decaying_adamw=True, num_train=64)
-run("dp", "1F1B", STEPS, **DP)
+run("dp", "1F1B", STEPS, **VALIDATE, **DP)
 run("zero", "1F1B", STEPS, shard=True, **DP)
 run("zero_first", "1F1B", 2, shard=True, checkpoint_dir="zero_ckpt", **DP)
 run("zero_resumed", "1F1B", STEPS, shard=True, ckpt_path=OUT / "zero_ckpt" / "last.ckpt", **DP)
@@ -257,6 +299,55 @@ def test_schedule_matches_single_process_training(runs, schedule):
                 torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-5)
 
 
+def micro_batch_mean_loss(model: nn.Module, batches: list) -> float:
+    """`model`'s loss (in its current mode) over the micro-batches of `batches`, averaged."""
+    with torch.no_grad():
+        losses = [model.loss(model(x), y) for inputs, targets in batches
+                  for x, y in zip(inputs.chunk(ACCUMULATE), targets.chunk(ACCUMULATE))]
+    return torch.stack(losses).mean().item()
+
+
+def reference_val_loss(record: list, validation: int, model: nn.Module, replicas: int = 1) -> float:
+    """The unsplit `model` in eval mode, with the state the pipeline's ranks held at that
+    validation, on the replicas' validation batches (read by their first ranks)."""
+    state = {name: t for rank in record[:2] for name, t in rank["validations"][validation]["state"].items()}
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    return micro_batch_mean_loss(model, [batch for rank in record[:: len(record) // replicas]
+                                         for batch in rank["validations"][validation]["batches"]])
+
+
+@pytest.mark.parametrize("schedule", EXACT)
+def test_validation_logs_the_unsplit_models_eval_loss_on_every_rank(runs, schedule):
+    ranks = runs[schedule]
+    for validation in range(STEPS // VAL_EVERY):
+        assert [len(rank["validations"][validation]["batches"]) for rank in ranks] == [VAL_BATCHES] * 2
+        loss = reference_val_loss(ranks, validation, MLPClassifier(num_blocks=4))
+        for rank in ranks:
+            assert rank["validations"][validation]["val_loss"] == pytest.approx(loss, abs=1e-5)
+
+
+def test_validation_runs_batch_norm_in_eval_mode(runs):
+    """The sanity check before training, then a validation every VAL_EVERY steps: each the unsplit
+    model's eval-mode loss, each leaving the batch-norm statistics as training left them."""
+    ranks = runs["batch_norm"]
+    initial = dict(ResNetClassifier().named_buffers())  # running mean 0, variance 1, 0 batches tracked
+    assert [len(rank["validations"]) for rank in ranks] == [1 + STEPS // VAL_EVERY] * 2
+    for validation in range(1 + STEPS // VAL_EVERY):
+        model = ResNetClassifier()
+        loss = reference_val_loss(ranks, validation, model)
+        for rank in ranks:
+            record = rank["validations"][validation]
+            assert record["val_loss"] == pytest.approx(loss, abs=1e-5)
+            assert record["buffers"] and record["buffers"].keys() <= record["state"].keys()
+            for name, before in record["buffers"].items():
+                assert torch.equal(record["state"][name], before), name  # validation left them
+                assert torch.equal(before, initial[name]) == (validation == 0), name  # training moved them
+        # Batch statistics (train mode) would give another loss on the same micro-batches.
+        train_mode = micro_batch_mean_loss(model.train(), ranks[0]["validations"][validation]["batches"])
+        assert abs(train_mode - loss) > 1e-3
+
+
 def test_1f1b_holds_fewer_activations_than_gpipe(runs):
     one_f_one_b, gpipe = (runs[name][0]["steps"][0]["peak_bytes"] for name in ("mem_1F1B", "mem_GPipe"))
     # first stage, 8 micro-batches: GPipe keeps all 8 in flight, 1F1B at most 2 (p = 2 stages)
@@ -295,6 +386,10 @@ def test_runtime_refusals(runs):
                                  "micro_batch_size = 4 * 4 = 16; set data.batch_size=16 and drop a smaller last batch")
     for rank in runs["zbv"]:
         assert rank["error"].startswith("strategy.pipeline.schedule_mode='ZBVZeroBubble': fails on the gloo backend")
+    for rank in runs["bad_val_batch"]:
+        assert rank["error"] == ("strategy.pipeline: a validation batch of 8 samples is not accumulate_steps * "
+                                 "micro_batch_size = 4 * 4 = 16; set data.batch_size=16 and make the validation set "
+                                 "a multiple of 16 samples (e.g. data.num_val)")
 
 
 # --------------------------------------------------------------------------- 4 processes: 2 stages x 2 replicas
@@ -325,6 +420,16 @@ def test_replicas_train_the_pipeline_on_the_global_batch(dp_runs, name):
             for key, grad in record["grads"].items():
                 torch.testing.assert_close(grad, grads[key], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(record["params"][key], params[key], rtol=1e-5, atol=1e-5)
+
+
+def test_validation_loss_is_averaged_over_the_replicas(dp_runs):
+    ranks = dp_runs["dp"]
+    for validation in range(STEPS // VAL_EVERY):
+        batches = [rank["validations"][validation]["batches"][0][0] for rank in ranks]
+        assert not torch.equal(batches[0], batches[2])  # the replicas validate on different samples
+        loss = reference_val_loss(ranks, validation, MLPClassifier(num_blocks=4), REPLICAS)
+        for rank in ranks:
+            assert rank["validations"][validation]["val_loss"] == pytest.approx(loss, abs=1e-5)
 
 
 def test_zero_shards_the_optimizer_states_over_the_replicas(dp_runs):

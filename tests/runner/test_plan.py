@@ -109,10 +109,9 @@ def test_inconsistent_pipeline_batch_sizes_are_refused_with_the_arithmetic(knobs
         make_plan({"pipeline": PipelineConfig(**knobs)}, TrainerConfig(devices=2), batch_size)
 
 
-def test_pipeline_turns_validation_off_and_refuses_lightning_accumulation():
+def test_pipeline_keeps_validation_on_and_refuses_lightning_accumulation():
     plan = make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=2), 32)
-    assert {arg: claim["value"] for arg, claim in plan.trainer_args.items()} == {
-        "limit_val_batches": 0, "num_sanity_val_steps": 0, "accumulate_grad_batches": 1}
+    assert {arg: claim["value"] for arg, claim in plan.trainer_args.items()} == {"accumulate_grad_batches": 1}
     with pytest.raises(Refusal, match=r"^trainer.accumulate_grad_batches=4 conflicts with strategy pipeline"):
         make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=2, accumulate_grad_batches=4), 32)
     with pytest.raises(ConfigError, match=r"^strategy.pipeline.accumulate_steps=1: schedule_mode=1F1B needs >= 2 "
