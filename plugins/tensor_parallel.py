@@ -16,14 +16,13 @@ from __future__ import annotations
 from fnmatch import fnmatch
 
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from runner.errors import ConfigError
 
 KEY = "strategy.sharding.mp_degree"
-# The attribute torch's checkpoint wrapper keeps the wrapped module under.
-WRAPPED_MODULE_PARTS = {"_checkpoint_wrapped_module"}
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
@@ -55,8 +54,8 @@ def _resolve(model: nn.Module, entry: str) -> list[str]:
     names = []
     for name, _ in model.named_modules():
         parts = name.split(".")
-        own = [part for part in parts if part not in WRAPPED_MODULE_PARTS]
-        if parts[-1] not in WRAPPED_MODULE_PARTS and len(own) == len(patterns) and all(map(fnmatch, own, patterns)):
+        own = [part for part in parts if part != _CHECKPOINT_WRAPPED_MODULE]
+        if parts[-1] != _CHECKPOINT_WRAPPED_MODULE and len(own) == len(patterns) and all(map(fnmatch, own, patterns)):
             names.append(name)
     if not names:
         raise ConfigError(KEY, None, f"{type(model).__name__}.tensor_parallel_plan() entry {entry!r} matches no module")

@@ -367,7 +367,7 @@ class ShardingConfig:
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
 # Stages each process holds, by schedule: interleaved schedules loop over several.
-STAGES_PER_PROCESS = {"1F1B": "1", "GPipe": "1", "Interleaved1F1B": ">= 2", "ZBVZeroBubble": "2"}
+STAGES_PER_PROCESS = {"1F1B": (1, 1), "GPipe": (1, 1), "Interleaved1F1B": (2, None), "ZBVZeroBubble": (2, 2)}  # (min, max)
 
 
 @dataclass
@@ -403,9 +403,9 @@ class PipelineConfig:
         require(self.micro_batch_size is None or self.micro_batch_size >= 1, key + "micro_batch_size",
                 self.micro_batch_size, "must be >= 1 (or null: batch_size / accumulate_steps)")
         require(self.accumulate_steps >= 1, key + "accumulate_steps", self.accumulate_steps, "must be >= 1")
-        stages = STAGES_PER_PROCESS[self.schedule_mode]
-        fits = self.vpp_degree >= 2 if stages == ">= 2" else self.vpp_degree == int(stages)
-        require(fits, key + "vpp_degree", self.vpp_degree, f"schedule_mode={self.schedule_mode} needs {stages}")
+        low, high = STAGES_PER_PROCESS[self.schedule_mode]
+        require(low <= self.vpp_degree and (high is None or self.vpp_degree <= high), key + "vpp_degree",
+                self.vpp_degree, f"schedule_mode={self.schedule_mode} needs {low if low == high else f'>= {low}'}")
 
     def micro_batch(self, batch_size: Optional[int]) -> int:
         """micro_batch_size, resolved from the data's batch size and checked against it."""
