@@ -117,7 +117,8 @@ def worker(schedules: List[str], micro_batches: int, micro_batch_size: int, step
     import pytorch_lightning as pl
     import torch.distributed as dist
 
-    from plugins.pipeline import build_pipeline
+    from plugins.pipeline import build_pipeline, split_stages
+    from plugins.transforms import transform_in_configure_model
     from runner.data import SyntheticClassificationData
     from runner.models import MLPClassifier
 
@@ -135,9 +136,11 @@ def worker(schedules: List[str], micro_batches: int, micro_batch_size: int, step
         for name in schedules:
             pl.seed_everything(0, verbose=False)
             model = MLPClassifier(hidden_dim=512, num_blocks=8)
+            transform_in_configure_model(model, [(split_stages, {"split_points": []})])
             callback = Probe()
+            layout = {"dp_replicate": 1, "dp_shard": 1, "pp": WORLD_SIZE, "tp": 1}
             trainer = pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, max_steps=steps + 1, limit_val_batches=0,
-                                 strategy=build_pipeline(name, micro_batch_size, micro_batches, [], 1),
+                                 strategy=build_pipeline(name, micro_batch_size, micro_batches, 1, layout),
                                  callbacks=[callback], logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out.parent))
             data = SyntheticClassificationData(batch_size=micro_batch_size * micro_batches,

@@ -79,7 +79,7 @@ def measure(strategy: str, dtype: torch.dtype) -> Dict[str, float]:
         autocast = torch.autocast("cpu", dtype=dtype, enabled=mixed)
     else:
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
-        apply_fsdp(model, mesh, stage=int(strategy[-1]), segment_bytes=SEGMENT_MB * 2 ** 20,
+        apply_fsdp(model, mesh, reshard_after_forward=strategy == "stage3", segment_bytes=SEGMENT_MB * 2 ** 20,
                    param_dtype=dtype if mixed else None)
         trained = model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

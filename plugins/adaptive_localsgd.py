@@ -1,31 +1,12 @@
-"""Adaptive local SGD (Fleet `strategy.adaptive_localsgd`; Wang & Joshi, "Adaptive Communication
-Strategies to Achieve the Best Error-Runtime Trade-off in Local-Update SGD", arXiv 1810.08313):
-local SGD whose averaging period k follows the training loss and the learning rate.
+"""Adaptive local SGD (Fleet `strategy.adaptive_localsgd`; Wang & Joshi, arXiv 1810.08313): local
+SGD whose averaging period k follows the training loss and the learning rate.
 
-The gradient communication is local SGD's (`plugins.localsgd:build_hook`): all-reduced for the
-first `begin_step` optimizer steps, local afterwards. `AdaptiveModelAveraging` then, as Fleet's
-AdaptiveLocalSGDOptimizer does:
-
-- after step `begin_step` (the last synchronous one) records the reference loss0 (the training
-  loss averaged over all processes) and lr0 (the learning rate of the first parameter group), and
-  sets k = init_k_steps;
-- averages the parameters over all processes k steps after the previous averaging (or after
-  begin_step), and there sets the next period from the loss averaged over all processes and the
-  current learning rate lr:
-
-      k = ceil(sqrt(lr0 * loss / (lr * loss0) * init_k_steps)), clipped to [1, 16].
-
-Direction: with a constant learning rate the period SHRINKS as the loss falls (k <= ceil(sqrt(
-init_k_steps)) once loss < loss0); it grows when the learning rate decays faster than the loss
-falls (lr0 / lr > loss0 / loss). The paper's AdaComm likewise communicates more often as the loss
-falls, and increases the period when the learning rate decays. Fleet's formula keeps init_k_steps
-inside the square root, and so does this one.
-
-The loss is the step's `training_step` loss as Lightning hands it to `on_train_batch_end` (under
-gradient accumulation: the last micro-batch's, divided by the accumulation count, in loss0 alike).
-The learning rate is read after the optimizer step and any per-step LR scheduler step: the rate
-the next local steps will use. Every rank logs `localsgd_k` (the current period) and
-`localsgd_syncs`; the callback's state (k, loss0, lr0, next averaging step) is checkpointed.
+Gradients travel as under local SGD (`plugins.localsgd:build_hook`). `AdaptiveModelAveraging`
+records the loss and learning rate after step `begin_step`, averages the parameters k steps
+after the previous averaging, and there sets the next period by Fleet's formula,
+k = ceil(sqrt(lr0 * loss / (lr * loss0) * init_k_steps)) in [1, 16]. With a constant learning
+rate the period shrinks as the loss falls. Every rank logs `localsgd_k` and `localsgd_syncs`.
+Details: docs/strategies.md#adaptive_localsgd.
 """
 from __future__ import annotations
 

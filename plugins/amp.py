@@ -19,6 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from plugins.modules import match_modules
+from plugins.transforms import ModelContext
 from runner.errors import ConfigError
 
 
@@ -162,32 +163,32 @@ def build_precision(device_type: str, dtype: str, **loss_scaling: Any) -> MixedP
 
 
 def apply_precision_lists(
-    model: nn.Module,
-    device_type: str,
+    module: nn.Module,
+    context: ModelContext,
     dtype: str,
     custom_white_list: list[str],
     custom_black_list: list[str],
 ) -> list[str]:
-    """Force the forward of listed submodules to `dtype` (white) or float32 (black), in place.
+    """Force the forward of listed submodules of `module` to `dtype` (white) or float32 (black).
 
-    An entry names modules by class name, qualified name or a glob on qualified names. Inside
-    a listed module autocast is off, floating inputs and parameters are cast to the module's
-    dtype (the casts are differentiable, so gradients reach the float32 parameters) and
-    buffers are left as they are (a cast copy would lose in-place updates such as batch-norm
-    running statistics). Only `forward` is replaced, so `state_dict()` keys do not change.
-    Returns the sorted qualified names of the modules changed.
+    An entry names modules of the whole model by class name, qualified name or a glob on
+    qualified names. Inside a listed module autocast is off, floating inputs and parameters are
+    cast to the module's dtype (the casts are differentiable, so gradients reach the float32
+    parameters) and buffers are left as they are (a cast copy would lose in-place updates such
+    as batch-norm running statistics). Only `forward` is replaced, so `state_dict()` keys do not
+    change. Returns the sorted qualified names of the modules changed.
     """
-    white = match_modules(model, custom_white_list, "strategy.amp.custom_white_list")
-    black = match_modules(model, custom_black_list, "strategy.amp.custom_black_list")
+    white = match_modules(context.model, custom_white_list, "strategy.amp.custom_white_list")
+    black = match_modules(context.model, custom_black_list, "strategy.amp.custom_black_list")
     both = sorted(white.keys() & black.keys())
     if both:
         raise ConfigError("strategy.amp.custom_white_list", both,
                           "these modules are also matched by custom_black_list; a module runs in one precision")
-    for module in white.values():
-        _force_dtype(module, device_type, getattr(torch, dtype))
-    for module in black.values():
-        _force_dtype(module, device_type, torch.float32)
-    return sorted(white.keys() | black.keys())
+    present = dict(module.named_modules())
+    for names, forced in ((white, getattr(torch, dtype)), (black, torch.float32)):
+        for name in names.keys() & present.keys():
+            _force_dtype(present[name], context.device_type, forced)
+    return sorted((white.keys() | black.keys()) & present.keys())
 
 
 class _CallWith(nn.Module):

@@ -1,8 +1,7 @@
 """What the layer-wise adaptive optimizers (plugins/lars.py: LARS, plugins/lamb.py: LAMB) share.
 
-Both scale each parameter tensor's update by a trust ratio of whole-tensor norms, run it on
-`torch._foreach_*` ops over lists of tensors, exclude parameters from weight decay by name,
-and are swapped in for the user's optimizer with its parameter groups. Here:
+Both scale each tensor's update by a trust ratio of whole-tensor norms on `torch._foreach_*`
+ops, exclude parameters from weight decay by name, and replace the user's optimizer. Here:
 
 - `LayerwiseOptimizer`: the base class. It checks each group's `no_weight_decay` flags, and its
   `step` evaluates the closure and walks the groups' buckets (`grad_buckets`), handing each to

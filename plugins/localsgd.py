@@ -1,24 +1,10 @@
-"""Local SGD (Fleet `strategy.localsgd`; Lin et al., "Don't Use Large Mini-Batches, Use Local SGD",
-arXiv 1808.07217): synchronous data parallelism for the first `begin_step` optimizer steps, then
-every process steps on its own and the parameters are averaged across all processes every
-`k_steps` steps. Built from torch's post-local-SGD pieces:
-
-- the DDP communication hook, `post_localSGD_hook` with a `PostLocalSGDState`, all-reduces the
-  gradients over the world group for its first `begin_step` iterations and afterwards leaves them
-  local (`post_local_gradient_allreduce=False`: no intra-node subgroup, no communication at all);
-- `ModelAveraging`, a callback, runs torch's `PeriodicModelAverager` after every optimizer step,
-  which averages the parameters (one all-reduce of all of them, flattened) over the world group.
-
-Step counting. Both count optimizer steps, n = 1, 2, ... (`trainer.global_step` after the step):
-the hook counts DDP iterations, i.e. backward passes that synchronise (under gradient
-accumulation Lightning runs the other micro-batches in `no_sync`, where DDP calls no hook), so
-iteration i is optimizer step n = i + 1, and it all-reduces gradients for n <= begin_step. The
-averager is handed step n - 1 before each call and built with `warmup_steps = begin_step +
-k_steps - 1`, so it averages after steps n = begin_step + k_steps, begin_step + 2 k_steps, ...:
-k local steps, then an average, as Fleet does (torch's own example pairs `warmup_steps =
-start_localSGD_iter`, which averages already after the first local step). Both counters are set
-from `trainer.global_step` when training starts, so a run resumed from a checkpoint continues the
-same schedule. Every rank logs `localsgd_syncs`, the number of parameter averagings so far.
+"""Local SGD (Fleet `strategy.localsgd`; Lin et al., arXiv 1808.07217): synchronous data
+parallelism for the first `begin_step` optimizer steps, then every process steps on its own and
+the parameters are averaged across all processes every `k_steps` steps (after steps begin_step
++ k_steps, begin_step + 2 k_steps, ..., as Fleet does). Built from torch's post-local-SGD
+pieces: `build_hook` (gradients all-reduced, then local) and `ModelAveraging`, a callback
+running `PeriodicModelAverager`. Every rank logs `localsgd_syncs`. How the two count steps, also
+after a resume: docs/strategies.md#localsgd.
 """
 from __future__ import annotations
 

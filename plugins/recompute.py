@@ -2,17 +2,9 @@
 
 Each selected submodule is replaced in its parent by a `CheckpointWrapper` (as torchtitan
 does): its forward keeps only its inputs for backward and runs again in backward to rebuild
-the rest. The wrapper's state-dict hooks strip its `_checkpoint_wrapped_module.` prefix, so
-`state_dict()` keys stay as before and old state dicts load unchanged; `named_parameters()`
-of an enclosing module does show the prefix.
-
-With `enable_offload`, each checkpoint's inputs (all it keeps for backward) are packed by
-`torch.autograd.graph.save_on_cpu`, i.e. copied to host memory until backward needs them.
-torch's own `offload_wrapper` is not used because it always pins host memory, and it would
-add a second wrapper prefix.
-
-torch's checkpoint re-runs the forward as is, so modules that track running statistics
-(batch norm) would update them twice per step; the recomputation here restores them after.
+the rest. `state_dict()` keys stay as before. With `enable_offload` the kept inputs wait in
+host memory (`save_on_cpu`); batch-norm running statistics are restored after recomputation,
+so they are not updated twice. Details: docs/strategies.md#recompute.
 """
 from __future__ import annotations
 
@@ -27,29 +19,31 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from plugins.modules import child_name, match_modules, repeated_block_list
+from plugins.transforms import ModelContext
 from runner.errors import ConfigError
 
 KEY = "strategy.recompute.checkpoints"
 
 
-def apply_recompute(model: nn.Module, device_type: str, checkpoints: list[str], enable_offload: bool) -> list[str]:
-    """Wrap the modules named by `checkpoints` (all repeated blocks when empty) in place.
-
-    `device_type` is where the model trains ("cpu", "cuda"). Returns the sorted qualified
-    names of the wrapped modules. Raises ConfigError when an entry matches no module, or
-    when `checkpoints` is empty and the model has no repeated block list.
+def apply_recompute(module: nn.Module, context: ModelContext, checkpoints: list[str], enable_offload: bool) -> list[str]:
+    """Wrap, in `module` (the model or one of its pipeline stages), the modules of the whole
+    model named by `checkpoints` (all its repeated blocks when empty). Returns the sorted
+    qualified names of the modules wrapped in `module`. Raises ConfigError when an entry
+    matches no module, or when `checkpoints` is empty and the model has no repeated block list.
     """
+    model = context.model
     names = _select(model, checkpoints) if checkpoints else _repeated_blocks(model)
     # Pinned host memory lets the device-to-host copies run asynchronously; it needs CUDA and
     # is a wasted copy when the activations already live on the host.
-    pin_memory = device_type != "cpu" and torch.cuda.is_available()
-    for name in names:
-        parent_name, _, child_name = name.rpartition(".")
-        module = model.get_submodule(name)
-        wrapped = checkpoint_wrapper(module, CheckpointImpl.NO_REENTRANT, checkpoint_fn=_checkpoint,
-                                     offload=enable_offload, pin_memory=pin_memory)
-        model.get_submodule(parent_name).register_module(child_name, wrapped)
-    return names
+    pin_memory = context.device_type != "cpu" and torch.cuda.is_available()
+    present = {name for name, _ in module.named_modules()}
+    wrapped = [name for name in names if name in present]  # a stage holds some of the model's blocks
+    for name in wrapped:
+        parent_name, _, child = name.rpartition(".")
+        checkpointed = checkpoint_wrapper(module.get_submodule(name), CheckpointImpl.NO_REENTRANT,
+                                          checkpoint_fn=_checkpoint, offload=enable_offload, pin_memory=pin_memory)
+        module.get_submodule(parent_name).register_module(child, checkpointed)
+    return wrapped
 
 
 def _checkpoint(module: nn.Module, *args, offload: bool, pin_memory: bool, **kwargs):

@@ -1,21 +1,10 @@
-"""Sharding (Fleet `strategy.sharding`): ZeRO stages 1-3 with PyTorch's own machinery.
-
-The processes form a device mesh with dims ("dp_replicate", "dp_shard", "tp") of sizes
-(dp_degree, degree, mp_degree); data is split over the first two.
-
-- stage 1 (optimizer states sharded): DDP, with the model's optimizer wrapped in torch's
-  `ZeroRedundancyOptimizer` over the dp_shard group. ZeRO gives each rank whole tensors, so
-  layer-wise trust ratios (LARS, LAMB) see full-tensor norms.
-- stages 2 and 3 (gradients too, and at 3 the parameters outside forward/backward): FSDP2
-  `fully_shard` on Lightning's `ModelParallelStrategy`, applied here at setup (the user's
-  module needs no `configure_model`) to units of consecutive modules of about
-  `segment_broadcast_MB` of parameters, then to the root. Stage 2 keeps the parameters a unit
-  gathered in forward until its backward (`reshard_after_forward=False`), stage 3 frees them
-  after forward. dp_degree > 1 is HSDP; mp_degree > 1 applies tensor parallelism first;
-  `optimize_offload` keeps sharded parameters, gradients and optimizer states in host memory.
-
-Stage 2/3 checkpoints are distributed-checkpoint directories; `python -m plugins.sharding
-export CKPT OUT` turns one (or a stage 1 file) into a single ordinary checkpoint file.
+"""Sharding (Fleet `strategy.sharding`): ZeRO with PyTorch's own machinery, on the layout's mesh
+(runner/world.py): stage 1 is DDP with torch's `ZeroRedundancyOptimizer` over the dp_shard
+group (`build_zero_stage1`); stages 2 and 3 are FSDP2 `fully_shard`, applied by the plan's
+sharding transform (`shard_parameters`) on Lightning's `ModelParallelStrategy` (`build_fsdp`).
+runner/strategies/sharding.py decides what each stage means. Stage 2/3 checkpoints are
+distributed-checkpoint directories; `python -m plugins.sharding export CKPT OUT` turns one (or
+a stage 1 file) into one ordinary checkpoint file. Details: docs/strategies.md#sharding.
 """
 from __future__ import annotations
 
@@ -24,13 +13,11 @@ import inspect
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Generator, List, Optional
+from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.strategies import ModelParallelStrategy, Strategy
-from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -39,20 +26,18 @@ from typing_extensions import override
 
 from plugins.ddp import FleetDDPStrategy
 from plugins.layerwise import NO_WEIGHT_DECAY
-
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-
-
-def sharding_mesh(device: torch.device, dp_degree: int, degree: int, mp_degree: int) -> DeviceMesh:
-    # The plan checked that the degrees multiply to the world size before any process started.
-    return init_device_mesh(device.type, (dp_degree, degree, mp_degree), mesh_dim_names=MESH_DIMS)
+from plugins.transforms import ModelContext
+from runner.world import Layout
 
 
-def data_parallel_rank(mesh: DeviceMesh) -> Dict[str, int]:
-    """DistributedSampler arguments: the ranks of one tensor-parallel group read the same data."""
-    replicate, shard = mesh["dp_replicate"], mesh["dp_shard"]
-    return {"num_replicas": replicate.size() * shard.size(),
-            "rank": replicate.get_local_rank() * shard.size() + shard.get_local_rank()}
+def layout_mesh(device_type: str, layout: Layout, dims: Tuple[str, ...]) -> DeviceMesh:
+    """The processes' device mesh over `dims` of the layout (the plan checked the degrees' product);
+    the other dims must have size 1. Fewer dims, fewer process groups to create."""
+    sizes = layout.to_dict()
+    left_out = {dim: size for dim, size in sizes.items() if dim not in dims and size > 1}
+    if left_out:
+        raise ValueError(f"a mesh over {dims} cannot lay out {left_out}")
+    return init_device_mesh(device_type, tuple(sizes[dim] for dim in dims), mesh_dim_names=dims)
 
 
 # --------------------------------------------------------------------------- stage 1
@@ -103,28 +88,31 @@ def shard_strategy_optimizers(strategy: Strategy, group: Any) -> None:
 
 
 class ZeroStage1Strategy(FleetDDPStrategy):
-    """DDP whose optimizers are
-    `FleetZeroRedundancyOptimizer`s over the dp_shard group of the mesh.
+    """DDP whose optimizers are `FleetZeroRedundancyOptimizer`s over the layout's dp_shard group.
 
     Gradients are views into DDP's buckets, so a rank holds one copy of them. Lightning's
     `optimizer_state` consolidates ZeroRedundancyOptimizer on rank 0 for checkpoints, and
     `load_state_dict` hands each rank its share back.
     """
 
-    def __init__(self, dp_degree: int, degree: int) -> None:
+    def __init__(self, layout: Layout) -> None:
         super().__init__(gradient_as_bucket_view=True)
-        self.dp_degree, self.degree = dp_degree, degree
+        self.layout = layout
         self.device_mesh: Optional[DeviceMesh] = None
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.device_mesh = sharding_mesh(self.root_device, self.dp_degree, self.degree, 1)
+        self.device_mesh = layout_mesh(self.root_device.type, self.layout, ("dp_replicate", "dp_shard"))
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         shard_strategy_optimizers(self, self.device_mesh["dp_shard"].get_group())
+
+
+def build_zero_stage1(layout: Dict[str, int]) -> ZeroStage1Strategy:
+    return ZeroStage1Strategy(Layout(**layout))
 
 
 # --------------------------------------------------------------------------- stages 2 and 3
@@ -162,18 +150,21 @@ def shard_units(root: nn.Module, segment_bytes: float) -> List[List[str]]:
     return units
 
 
-def apply_fsdp(module: nn.Module, mesh: DeviceMesh, stage: int, segment_bytes: float,
+def apply_fsdp(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, segment_bytes: float,
                param_dtype: Optional[torch.dtype] = None, offload: bool = False) -> List[List[str]]:
-    """FSDP2 over `mesh` (1-D: sharded; 2-D: replicated x sharded, HSDP) for ZeRO `stage` 2 or 3:
-    `fully_shard` on each of `shard_units(module, segment_bytes)`, then on `module`. With
-    `param_dtype`, parameters are gathered in it and gradients reduced in float32; `offload`
-    keeps the shards (parameters, gradients, optimizer states) in host memory. Returns the units."""
+    """FSDP2 over `mesh` (1-D: sharded; 2-D: replicated x sharded, HSDP): `fully_shard` on each
+    of `shard_units(module, segment_bytes)`, then on `module`. `reshard_after_forward` frees each
+    unit's gathered parameters after its forward (ZeRO stage 3) instead of keeping them until its
+    backward (stage 2). With `param_dtype`, parameters are gathered in it and gradients reduced in
+    float32; `offload` keeps the shards (parameters, gradients, optimizer states) in host memory.
+    Returns the units."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     # Pinned host memory speeds up copies to an accelerator; without one there is nothing to pin.
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload else OffloadPolicy()
-    options = dict(mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp_policy, offload_policy=offload_policy)
+    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                   offload_policy=offload_policy)
     units = shard_units(module, segment_bytes)
     for names in units:
         fully_shard([module.get_submodule(name) for name in names], **options)
@@ -181,61 +172,47 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, stage: int, segment_bytes: f
     return units
 
 
+def shard_parameters(module: nn.Module, context: ModelContext, reshard_after_forward: bool,
+                     segment_broadcast_MB: float, optimize_offload: bool) -> List[str]:
+    """The plan's sharding phase: `apply_fsdp` over the data-parallel dims of the strategy's mesh,
+    gathering in the amp dtype under Lightning's `MixedPrecision`. Returns the units, as names
+    joined by "+"."""
+    strategy = context.strategy
+    dims = ("dp_replicate", "dp_shard") if strategy.layout.dp_replicate > 1 else ("dp_shard",)
+    precision = strategy.precision_plugin
+    param_dtype = None
+    if isinstance(precision, MixedPrecision):
+        param_dtype = torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
+    units = apply_fsdp(module, strategy.device_mesh[dims], reshard_after_forward, segment_broadcast_MB * 2 ** 20,
+                       param_dtype, optimize_offload)
+    return ["+".join(names) for names in units]
+
+
 class FSDP2Strategy(ModelParallelStrategy):
-    """ModelParallelStrategy that applies FSDP2 itself: ZeRO stage 2 or 3 (see the module doc).
+    """ModelParallelStrategy on the layout's mesh, for ZeRO stages 2 and 3: the model's
+    configure_model shards it (`shard_parameters`, after tensor parallelism and recompute)."""
 
-    Under Lightning's `MixedPrecision` (lightfleet's amp) parameters are gathered in its dtype
-    and gradients reduced in float32 (`MixedPrecisionPolicy`); the float32 parameters stay the
-    sharded master copy. `units` holds the module names of each FSDP unit after setup.
-    """
-
-    def __init__(self, stage: int, degree: int, dp_degree: int, mp_degree: int, optimize_offload: bool,
-                 segment_broadcast_MB: float) -> None:
-        super().__init__(data_parallel_size=dp_degree * degree, tensor_parallel_size=mp_degree)
-        self.stage, self.degree, self.dp_degree, self.mp_degree = stage, degree, dp_degree, mp_degree
-        self.optimize_offload = optimize_offload
-        self.segment_bytes = segment_broadcast_MB * 2 ** 20
-        self.units: List[List[str]] = []
-        self.tensor_parallel: List[str] = []
+    def __init__(self, layout: Layout) -> None:
+        super().__init__(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tp)
+        self.layout = layout
 
     @override
     def setup_environment(self) -> None:
         # The base class's process group; its own 2-D mesh has other dim names than ours.
         self._setup_distributed()
-        self._device_mesh = sharding_mesh(self.root_device, self.dp_degree, self.degree, self.mp_degree)
+        self._device_mesh = layout_mesh(self.root_device.type, self.layout, ("dp_replicate", "dp_shard", "tp"))
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        return data_parallel_rank(self.device_mesh)
+        # The ranks of one tensor-parallel group read the same batches.
+        return {"num_replicas": self.layout.data_parallel_size, "rank": self.layout.data_parallel_rank(self.global_rank)}
 
     @override
-    def setup(self, trainer: Any) -> None:
-        # ModelParallelStrategy.setup, with the parallelization it expects from configure_model.
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.shard(self.lightning_module)
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-
-    def shard(self, module: nn.Module) -> None:
-        if self.mp_degree > 1:
-            from plugins.tensor_parallel import apply_tensor_parallel
-
-            self.tensor_parallel = apply_tensor_parallel(module, self.device_mesh["tp"])
-        dims = ("dp_replicate", "dp_shard") if self.dp_degree > 1 else ("dp_shard",)
-        precision = self.precision_plugin
-        param_dtype = None
-        if isinstance(precision, MixedPrecision):
-            param_dtype = torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
-        self.units = apply_fsdp(module, self.device_mesh[dims], self.stage, self.segment_bytes, param_dtype,
-                                self.optimize_offload)
-        rank_zero_info(f"lightfleet: sharding stage {self.stage} units: "
-                       + "; ".join("+".join(names) for names in self.units))
+    def model_to_device(self) -> None:
+        # fully_shard placed every parameter: on the mesh's device, or in host memory when offloading.
+        pass
 
     @contextmanager
     @override
@@ -248,13 +225,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.lightning_module.set_requires_gradient_sync(True)
 
 
-def build_sharding(stage: int, degree: int, dp_degree: int, mp_degree: int, optimize_offload: bool,
-                   segment_broadcast_MB: float) -> Strategy:
-    """The Lightning strategy for ZeRO `stage` (1, 2 or 3) on a (dp_degree, degree, mp_degree)
-    mesh. The schema has refused tensor parallelism and offload at stage 1."""
-    if stage == 1:
-        return ZeroStage1Strategy(dp_degree, degree)
-    return FSDP2Strategy(stage, degree, dp_degree, mp_degree, optimize_offload, segment_broadcast_MB)
+def build_fsdp(layout: Dict[str, int]) -> FSDP2Strategy:
+    return FSDP2Strategy(Layout(**layout))
 
 
 # --------------------------------------------------------------------------- export

@@ -16,13 +16,18 @@ from __future__ import annotations
 from fnmatch import fnmatch
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from plugins.transforms import ModelContext
 from runner.errors import ConfigError
 
 KEY = "strategy.sharding.mp_degree"
+
+
+def parallelize(module: nn.Module, context: ModelContext) -> list[str]:
+    """The plan's tensor_parallel phase: `apply_tensor_parallel` over the strategy's "tp" mesh dim."""
+    return apply_tensor_parallel(module, context.strategy.device_mesh["tp"])
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
@@ -47,16 +52,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
 
 
 def _resolve(model: nn.Module, entry: str) -> list[str]:
-    """Qualified names `entry` matches, part by part as parallelize_module matches them. The plan
-    names the model's own modules: wrappers other strategies inserted (recompute's checkpoint
-    wrapper, applied before the Lightning strategy splits the model) are looked through."""
+    """Qualified names `entry` matches, part by part as parallelize_module matches them."""
     patterns = entry.split(".")
-    names = []
-    for name, _ in model.named_modules():
-        parts = name.split(".")
-        own = [part for part in parts if part != _CHECKPOINT_WRAPPED_MODULE]
-        if parts[-1] != _CHECKPOINT_WRAPPED_MODULE and len(own) == len(patterns) and all(map(fnmatch, own, patterns)):
-            names.append(name)
+    names = [name for name, _ in model.named_modules()
+             if len(name.split(".")) == len(patterns) and all(map(fnmatch, name.split("."), patterns))]
     if not names:
         raise ConfigError(KEY, None, f"{type(model).__name__}.tensor_parallel_plan() entry {entry!r} matches no module")
     return names

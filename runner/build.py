@@ -1,17 +1,17 @@
 """Build: turn a validated config and its plan into a Trainer, a model and a datamodule.
 
 The user's LightningModule and DataModule are instantiated by `_target_`; the plan's model
-transforms are applied to the model in phase order, its optimizer replacement wraps the model's
-`configure_optimizers`, and its precision plugin, Lightning strategy (with the communication
-hook), trainer arguments and callbacks go to the Trainer. The user's code never has to know
-which strategies are on.
+transforms run in the model's `configure_model` (plugins/transforms.py), its optimizer
+replacement wraps the model's `configure_optimizers`, and its precision plugin, Lightning
+strategy (with the communication hook), trainer arguments and callbacks go to the Trainer.
+The user's code never has to know which strategies are on.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -25,9 +25,11 @@ from pytorch_lightning.utilities import rank_zero_info
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from plugins.transforms import Transform, transform_in_configure_model
 from runner.config import RunSpec
 from runner.errors import ConfigError
 from runner.plan import Plan
+from runner.records import write_yaml
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 # A scheduler re-pointed by `replace_optimizers` warns that its optimizer's step "has been
@@ -40,7 +42,6 @@ class Built:
     trainer: pl.Trainer
     model: pl.LightningModule
     datamodule: pl.LightningDataModule
-    resolved: Dict[str, Any] = field(default_factory=dict)  # what build decided, for build.yaml
 
 
 def device_type(accelerator: str) -> str:
@@ -78,11 +79,7 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     model = instantiate_checked("model", cfg.model)
     datamodule = instantiate_checked("data", cfg.data)
 
-    resolved: Dict[str, Any] = {"device_type": device, "model_transforms": []}
-    for claim in plan.model_transforms:
-        changed = claim.component.load()(model, device_type=device, **claim.component.kwargs)
-        resolved["model_transforms"].append({"by": claim.by, "phase": claim.phase, "modules": list(changed)})
-        rank_zero_info(f"lightfleet: {claim.by} ({claim.phase}) applied to: {', '.join(changed)}")
+    transform_in_configure_model(model, model_transforms(plan), partial(record_transforms, model, plan, run_dir))
 
     trainer_args = asdict(spec.trainer)
     trainer_args.update({arg: claim["value"] for arg, claim in plan.trainer_args.items()})
@@ -92,17 +89,36 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     if plan.optimizer is not None:
         replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
                                           **plan.optimizer.component.kwargs))
-    strategy: Any = "auto"
-    if plan.lightning_strategy is not None:
-        kwargs = dict(plan.lightning_strategy.component.kwargs)
-        if plan.comm_hook is not None:
-            kwargs["comm_hook"] = partial(plan.comm_hook.component.load(), **plan.comm_hook.component.kwargs)
-        strategy = plan.lightning_strategy.component.load()(**kwargs)
     callbacks = [instantiate_checked(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node]
     callbacks += [claim.component.load()(**claim.component.kwargs) for claim in plan.callbacks]
-    trainer = pl.Trainer(**trainer_args, strategy=strategy, plugins=plugins, callbacks=callbacks,
+    trainer = pl.Trainer(**trainer_args, strategy=lightning_strategy(plan), plugins=plugins, callbacks=callbacks,
                          logger=loggers(cfg), default_root_dir=str(run_dir))
-    return Built(trainer, model, datamodule, resolved)
+    return Built(trainer, model, datamodule)
+
+
+def lightning_strategy(plan: Plan) -> Any:
+    """The plan's Lightning strategy, given its communication hook; "auto" (Lightning's choice) if none."""
+    if plan.lightning_strategy is None:
+        return "auto"
+    kwargs = dict(plan.lightning_strategy.component.kwargs)
+    if plan.comm_hook is not None:
+        kwargs["comm_hook"] = partial(plan.comm_hook.component.load(), **plan.comm_hook.component.kwargs)
+    return plan.lightning_strategy.component.load()(**kwargs)
+
+
+def model_transforms(plan: Plan) -> List[Transform]:
+    """The plan's model transforms, in phase order, as plugins/transforms.py applies them."""
+    return [(claim.component.load(), claim.component.kwargs) for claim in plan.model_transforms]
+
+
+def record_transforms(model: pl.LightningModule, plan: Plan, run_dir: Path, changed: List[List[str]]) -> None:
+    """Say what each model transform changed, and write it with the device into build.yaml (rank 0)."""
+    resolved = {"device_type": model.trainer.strategy.root_device.type, "model_transforms": []}
+    for claim, names in zip(plan.model_transforms, changed, strict=True):
+        resolved["model_transforms"].append({"by": claim.by, "phase": claim.phase, "modules": names})
+        rank_zero_info(f"lightfleet: {claim.by} ({claim.phase}) applied to: {', '.join(names)}")
+    if model.trainer.is_global_zero:
+        write_yaml(run_dir / "build.yaml", resolved)
 
 
 def replace_optimizers(model: pl.LightningModule, replace: Callable[[Optimizer], Optimizer]) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
+from runner import strategies
 from runner.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table, strategies_from_argv
-from runner.errors import ConfigError, Refusal
+from runner.errors import ConfigError, Refusal, exit_on_user_error
 
 USAGE = """\
 usage: lightfleet [-m] [--cfg] [KEY=VALUE | GROUP=OPTION ...]
@@ -68,34 +68,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def usage() -> str:
     groups = "\n".join(f"  {d.name:<10} {', '.join(sorted(p.stem for p in d.glob('*.yaml')))}"
                        for d in sorted(CONF_DIR.iterdir()) if d.is_dir())
-    table = load_table()
-    return USAGE.format(groups=groups, strategies=", ".join(sorted(table.available)),
+    return USAGE.format(groups=groups, strategies=", ".join(strategies.names()),
                         experiments=", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))))
 
 
-@contextmanager
-def exit_on_user_error() -> Iterator[None]:
-    """Bad input: one line on stderr, exit status 2, no traceback."""
-    try:
-        yield
-    except Refusal as refusal:
-        print(f"lightfleet: refused: {refusal}", file=sys.stderr)
-        sys.exit(2)
-    except ConfigError as error:
-        print(f"lightfleet: error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
 def prepare(overrides: Sequence[str]):
-    """Compose, validate, check against the table and plan: pure Python, no torch."""
+    """Compose, validate, check against the table and plan: pure Python, no torch. The one
+    place plans are made; every rank reads the plan this saves."""
     from runner.config import compose_config, validate
-    from runner.launch import check_multi_node
     from runner.plan import make_plan
+    from runner.world import World, check_multi_node
 
     spec = validate(compose_config(overrides))
     check(list(spec.strategies), load_table())
     plan = make_plan(spec.strategies, spec.trainer, spec.batch_size)
-    check_multi_node(plan.world)
+    check_multi_node(World(**plan.world))
     return spec, plan
 
 
@@ -116,11 +103,12 @@ def launch(spec, plan, overrides: Sequence[str]) -> int:
     from runner import launch as launcher
     from runner.plan import format_plan
     from runner.records import create_run_dir
+    from runner.world import World
 
     records = create_run_dir(spec.cfg, plan, overrides)
     print(f"{format_plan(plan)}\nlightfleet: run directory {spec.cfg.paths.output_dir}", flush=True)
     try:
-        launcher.run(records, plan.world)
+        launcher.run(records, World(**plan.world))
     except ChildFailedError as failure:
         codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
         print(f"lightfleet: run failed: exit status by rank {codes}; logs in {records / 'logs'}", file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import yaml
 
+from runner import strategies
 from runner.errors import ConfigError, Refusal
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -23,8 +24,8 @@ EXPERIMENTS_DIR = PROJECT_ROOT / "experiments"
 
 @dataclass(frozen=True)
 class Table:
-    known: Tuple[str, ...]
-    available: FrozenSet[str]  # known strategies that have a conf/strategy/<name>.yaml
+    known: Tuple[str, ...]  # the registry's strategies and Fleet's switches not built yet
+    available: FrozenSet[str]  # the registry's strategies
     alone: FrozenSet[str]
     allowed: Tuple[FrozenSet[str], ...]
     reasons: Dict[FrozenSet[str], str]
@@ -32,15 +33,21 @@ class Table:
 
 @functools.lru_cache(maxsize=None)  # read once per process, however many sweep jobs are checked
 def load_table(conf_dir: Path = CONF_DIR) -> Table:
+    """The table in `conf_dir`/compat.yaml; a name it uses that no strategy has is an error."""
     raw = yaml.safe_load((conf_dir / "compat.yaml").read_text())
-    known = tuple(raw["known"])
-    return Table(
+    available = strategies.names()
+    known = available + strategies.NOT_BUILT_YET
+    table = Table(
         known=known,
-        available=frozenset(p.stem for p in (conf_dir / "strategy").glob("*.yaml")) & set(known),
+        available=frozenset(available),
         alone=frozenset(raw.get("alone", [])),
         allowed=tuple(frozenset(row) for row in raw.get("allowed", [])),
         reasons={frozenset(r["pair"]): r["why"] for r in raw.get("reasons", [])},
     )
+    unknown = sorted(set(table.alone).union(*table.allowed, *table.reasons) - set(known))
+    if unknown:
+        raise ConfigError("conf/compat.yaml", unknown[0], f"names no strategy; known: {', '.join(known)}", known)
+    return table
 
 
 def check(selected: Sequence[str], table: Table) -> None:

@@ -19,7 +19,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import schema
+from runner import schema, strategies
 from runner.compat import CONF_DIR, EXPERIMENTS_DIR
 from runner.errors import ConfigError, Refusal
 
@@ -141,10 +141,10 @@ def _explain(error: Exception) -> ConfigError:
 def _schema_keys(parent: str) -> List[str]:
     """Field names of the schema node at dotted path `parent` (for "did you mean")."""
     node: Any = OmegaConf.structured(schema.RunConfig)
-    strategies = schema.strategy_schemas()
+    known = strategies.schemas()
     for part in filter(None, parent.split(".")):
-        if parent.startswith("strategy.") and part in strategies:
-            node = OmegaConf.structured(strategies[part])
+        if parent.startswith("strategy.") and part in known:
+            node = OmegaConf.structured(known[part])
             continue
         node = node.get(part) if isinstance(node, DictConfig) else None
         if node is None:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 
 class ConfigError(Exception):
@@ -24,7 +26,26 @@ class Refusal(Exception):
     """A configuration that is well-formed but must not run (a forbidden strategy combination)."""
 
 
+def require(ok: bool, key: str, value: Any, allowed: str, choices: tuple = ()) -> None:
+    """Raise ConfigError(key, value, allowed) unless `ok`."""
+    if not ok:
+        raise ConfigError(key, value, allowed, choices)
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     by_lower = {choice.lower(): choice for choice in choices}  # 1f1b -> 1F1B: case is a typo too
     close = difflib.get_close_matches(word.lower(), list(by_lower), n=3, cutoff=0.75)
     return f" (did you mean {' or '.join(by_lower[c] for c in close)}?)" if close else ""
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Bad input: one line on stderr, exit status 2, no traceback."""
+    try:
+        yield
+    except Refusal as refusal:
+        print(f"lightfleet: refused: {refusal}", file=sys.stderr)
+        sys.exit(2)
+    except ConfigError as error:
+        print(f"lightfleet: error: {error}", file=sys.stderr)
+        sys.exit(2)

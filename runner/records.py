@@ -1,12 +1,10 @@
 """The run directory: everything needed to see what ran and to run it again.
 
     config.yaml   the resolved config (every rank reads it: reproducible from it alone)
-    plan.yaml     the plan (as `dry_run=true` prints it, plus structured form)
+    plan.yaml     the plan every rank carries out (its printed form, then its data)
     env.yaml      command, versions of python/torch/lightning/hydra/lightfleet, git commit
-    metrics.csv   Lightning's CSV logger (tensorboard/ where installed)
     build.yaml    what build resolved (e.g. the modules recompute wrapped)
-    results.yaml  final metrics
-    logs/rankN.log, checkpoints/
+    csv/, results.yaml, checkpoints/, logs/   metrics, final metrics, checkpoints, rank logs
 """
 from __future__ import annotations
 
@@ -24,19 +22,18 @@ from omegaconf import DictConfig, OmegaConf
 from runner.compat import PROJECT_ROOT
 from runner.errors import ConfigError
 from runner.plan import Plan, format_plan
+from runner.world import World, launched_externally
 
 
 def create_run_dir(cfg: DictConfig, plan: Plan, overrides: Sequence[str]) -> Path:
     """Resolve the config, make its output directory and write config, plan and environment.
 
     Returns the directory holding them: the run directory, or for a second node or an externally
-    launched rank its subdirectory (runner.launch.records_subdir). A directory named by the clock
+    launched rank its subdirectory (`records_subdir`). A directory named by the clock
     (the default) that is taken gets a -1, -2, ... suffix; one the user named is refused if it
     already holds a run, so nothing written earlier is overwritten.
     """
-    from runner.launch import records_subdir
-
-    subdir = records_subdir(plan.world)
+    subdir = records_subdir(World(**plan.world))
     run_dir = Path(cfg.paths.output_dir).expanduser().resolve()
     if not subdir and named_by_clock(cfg.paths, "output_dir"):
         run_dir = fresh_dir(run_dir)
@@ -50,6 +47,26 @@ def create_run_dir(cfg: DictConfig, plan: Plan, overrides: Sequence[str]) -> Pat
     write_yaml(records / "plan.yaml", {"printed": format_plan(plan).splitlines(), **plan.to_dict()})
     write_yaml(records / "env.yaml", environment(overrides))
     return records
+
+
+def records_subdir(world: World) -> str:
+    """Where this copy of the command keeps its records inside the run directory.
+
+    One copy runs per node (multi-node) or per rank (under torchrun/SLURM), all with the same
+    output directory, often on a shared filesystem: the first copy writes the run directory
+    itself, the others `nodes/<NODE_RANK>/` or `ranks/<RANK>/`, so no two write one file.
+    """
+    if launched_externally():
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        return f"ranks/{rank}" if rank else ""
+    if world.num_nodes > 1 and int(os.environ["NODE_RANK"]):
+        return f"nodes/{os.environ['NODE_RANK']}"
+    return ""
+
+
+def read_plan(records: Path) -> Plan:
+    """The plan the command saved in `records`."""
+    return Plan.from_dict(yaml.safe_load((records / "plan.yaml").read_text()))
 
 
 def named_by_clock(node: DictConfig, key: str) -> bool:

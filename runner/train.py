@@ -9,12 +9,13 @@ from typing import Any, Dict
 from omegaconf import OmegaConf
 
 from runner.config import RunSpec, validate
-from runner.plan import Plan, make_plan
-from runner.records import write_yaml
+from runner.errors import exit_on_user_error
+from runner.plan import Plan
+from runner.records import read_plan, write_yaml
 
 
 def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
-    """Build, fit, and record the final metrics (rank 0 writes build.yaml and results.yaml)."""
+    """Build, fit, and record the final metrics (rank 0 writes results.yaml)."""
     import torch
 
     from runner.build import build
@@ -22,8 +23,6 @@ def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
     run_dir = Path(spec.cfg.paths.output_dir)
     built = build(spec, plan, run_dir)
     trainer = built.trainer
-    if trainer.is_global_zero:
-        write_yaml(run_dir / "build.yaml", built.resolved)
     trainer.fit(built.model, datamodule=built.datamodule)
     results = {name: float(value) for name, value in trainer.callback_metrics.items()}
     results["global_step"] = trainer.global_step
@@ -38,13 +37,10 @@ def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
 
 
 def train_from(records: Path) -> Dict[str, Any]:
-    """Train from the config.yaml in `records` (every rank derives the same plan from it)."""
-    spec = validate(OmegaConf.load(records / "config.yaml"))
-    return train(spec, make_plan(spec.strategies, spec.trainer, spec.batch_size))
+    """Train from the config.yaml and plan.yaml the command saved in `records`."""
+    return train(validate(OmegaConf.load(records / "config.yaml")), read_plan(records))
 
 
 if __name__ == "__main__":
-    from runner.cli import exit_on_user_error
-
     with exit_on_user_error():
         train_from(Path(sys.argv[1]))

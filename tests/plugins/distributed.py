@@ -3,8 +3,9 @@
 Test side: `run_two_ranks(script, tmp_path)` writes `script` into tmp_path and runs it under
 `python -m torch.distributed.run --standalone --nproc-per-node 2` (or `nproc`), with this directory importable,
 so the script can `from distributed import ...` the rank side: `fit` (the real Lightning trainer
-with `plugins.ddp.build_ddp`), `AllReduceSpy` (counts what reaches `torch.distributed.all_reduce`)
-and `Record` (per-step parameters, losses, learning rates and collectives of one rank).
+with `plugins.ddp.build_ddp`), `AllReduceSpy` (counts what reaches `torch.distributed.all_reduce`),
+`AllGatherSpy` (keeps what each rank hands to `torch.distributed.all_gather`) and `Record`
+(per-step parameters, losses, learning rates and collectives of one rank).
 Results come back as one torch.save file per rank: `load_ranks(tmp_path)`.
 
 pytest imports this module as `distributed` (tests/plugins is on sys.path: no __init__.py here).
@@ -82,6 +83,34 @@ class AllReduceSpy:
 
     def reset(self) -> None:
         self.calls = self.bytes = 0
+
+
+class AllGatherSpy:
+    """Keeps CPU copies of the tensors this rank contributes to `torch.distributed.all_gather`
+    (its second argument), in call order, while `active`; the real collective runs. Hooks call it
+    through the module attribute, so they are seen."""
+
+    def __init__(self) -> None:
+        self.sent: List[torch.Tensor] = []
+        self.active = False
+        self._real = dist.all_gather
+        dist.all_gather = self._all_gather
+
+    def _all_gather(self, tensor_list, tensor, *args, **kwargs):
+        if self.active:
+            self.sent.append(tensor.detach().cpu().clone())
+        return self._real(tensor_list, tensor, *args, **kwargs)
+
+    @property
+    def calls(self) -> int:
+        return len(self.sent)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sent)
+
+    def reset(self) -> None:
+        self.sent = []
 
 
 class Record(pl.Callback):

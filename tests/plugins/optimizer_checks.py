@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from distributed import WORLD_SIZE, run_two_ranks
 from plugins.amp import build_precision
 from plugins.recompute import apply_recompute
+from plugins.transforms import ModelContext
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier, ResNetClassifier
 
@@ -141,7 +142,7 @@ def recomputed_resnet():
     in their name (some, not all), and a batch for it."""
     torch.manual_seed(0)
     model = ResNetClassifier()
-    apply_recompute(model, "cpu", checkpoints=[], enable_offload=False)
+    apply_recompute(model, ModelContext(model), checkpoints=[], enable_offload=False)
     names = [name for name, _ in model.named_parameters()]
     assert any("_checkpoint_wrapped_module." in name for name in names)
     excluded = [("bias" in name or "bn" in name) for name in names]

@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 import torch
 
 from plugins.amp import FleetGradScaler, apply_precision_lists, build_precision
+from plugins.transforms import ModelContext
 from runner.data import SyntheticClassificationData
 from runner.errors import ConfigError
 from runner.models import MLPClassifier
@@ -141,7 +142,7 @@ def test_white_and_black_lists_set_module_precision_and_keep_training():
     model = MLPClassifier()
     keys = list(model.state_dict())
     # LayerNorm runs in float32 under autocast and Linear in float16: the lists invert that.
-    changed = apply_precision_lists(model, "cpu", "float16", custom_white_list=["blocks.1.net.0"],
+    changed = apply_precision_lists(model, ModelContext(model), "float16", custom_white_list=["blocks.1.net.0"],
                                     custom_black_list=["head.*", "Linear"])
     assert changed == sorted(["blocks.1.net.0", "head.0", "head.1", "stem"]
                              + [f"blocks.{i}.net.{j}" for i in range(3) for j in (1, 3)])
@@ -165,7 +166,7 @@ def test_white_and_black_lists_set_module_precision_and_keep_training():
 
 def test_list_forward_hooks_run_once_and_copies_stay_independent():
     model = MLPClassifier()
-    apply_precision_lists(model, "cpu", "bfloat16", custom_white_list=["head.1"], custom_black_list=[])
+    apply_precision_lists(model, ModelContext(model), "bfloat16", custom_white_list=["head.1"], custom_black_list=[])
     calls = []
     model.head[1].register_forward_hook(lambda module, args, output: calls.append(output.dtype))
     clone = copy.deepcopy(model)
@@ -180,12 +181,13 @@ def test_list_forward_hooks_run_once_and_copies_stay_independent():
 
 
 def test_unknown_list_entry_is_refused_with_a_suggestion():
+    model = MLPClassifier()
     with pytest.raises(ConfigError, match=r"strategy\.amp\.custom_black_list='LayerNrom'.*did you mean LayerNorm"):
-        apply_precision_lists(MLPClassifier(), "cpu", "float16", [], ["LayerNrom"])
+        apply_precision_lists(model, ModelContext(model), "float16", [], ["LayerNrom"])
     with pytest.raises(ConfigError, match=r"custom_white_list='blocks\.0\.net\.7'.*did you mean blocks\.0\.net"):
-        apply_precision_lists(MLPClassifier(), "cpu", "float16", ["blocks.0.net.7"], [])
+        apply_precision_lists(model, ModelContext(model), "float16", ["blocks.0.net.7"], [])
     with pytest.raises(ConfigError, match="also matched by custom_black_list"):
-        apply_precision_lists(MLPClassifier(), "cpu", "float16", ["LayerNorm"], ["head.0"])
+        apply_precision_lists(model, ModelContext(model), "float16", ["LayerNorm"], ["head.0"])
 
 
 def test_scaler_state_survives_a_checkpoint(tmp_path):

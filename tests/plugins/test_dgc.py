@@ -1,6 +1,11 @@
 """DGC in real 2-process DDP training (gloo on CPU, no mocks): what each rank sends, what it
 keeps, the warm-up schedule, exact momentum SGD before it, convergence, and resuming from a
-Lightning checkpoint with the residuals."""
+Lightning checkpoint with the residuals.
+
+The hook records nothing itself: the witnesses are spies on `torch.distributed.all_gather` and
+`all_reduce` (what each rank hands to the collectives), a wrapper around the hook (the gradient
+bucket it is given) and the hook state's `state_dict()` after each step; the algorithm is checked
+against a plain-PyTorch recomputation from those."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +18,9 @@ import torch.nn.functional as F
 
 from distributed import load_ranks, run_two_ranks
 from plugins.ddp import build_ddp
-from plugins.dgc import DGCState, build_hook, message_bytes, replace_optimizer, sparsity_at, top_k
+from plugins.dgc import build_hook, replace_optimizer
+from plugins.dgc_compression import message_bytes, sparsity_at, top_k
+from plugins.dgc_state import DGCState
 from runner.errors import ConfigError
 from runner.models import MLPClassifier
 
@@ -23,8 +30,8 @@ BEGIN, RAMPUP, SPARSITY = 3, 6, [0.5, 0.9, 0.999]
 STEPS, HALF = 16, 8  # 512 samples / 2 ranks / 64 per batch = 4 steps per epoch: HALF ends epoch 1
 
 # One launch, four fits in the same 2 processes (each fit a new model, Trainer and hook state):
-# "full" trains STEPS steps; "first" trains HALF steps and checkpoints; "resumed" continues
-# "first" from its checkpoint to STEPS; "converge" trains the synthetic task with DGC.
+# "full" trains STEPS steps, observed; "first" trains HALF steps and checkpoints; "resumed"
+# continues "first" from its checkpoint to STEPS; "converge" trains the synthetic task with DGC.
 SCRIPT = """
 import functools
 import sys
@@ -34,7 +41,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from distributed import save
+from distributed import AllGatherSpy, AllReduceSpy, save
 from plugins.ddp import FleetDDPStrategy
 from plugins.dgc import DGCCheckpoint, build_hook, replace_optimizer
 from runner.data import SyntheticClassificationData
@@ -42,6 +49,7 @@ from runner.models import MLPClassifier
 
 OUT = Path(sys.argv[1])
 torch.set_num_threads(1)
+ALL_GATHER, ALL_REDUCE = AllGatherSpy(), AllReduceSpy()
 
 
 class DGCMLP(MLPClassifier):
@@ -51,54 +59,82 @@ class DGCMLP(MLPClassifier):
 
 
 class Recorder(pl.Callback):
-    def __init__(self, trace):
-        self.trace, self.steps, self.restored = trace, [], None
+    # Per step: the batch, the parameters before and after, the gradient the optimizer steps
+    # with, the loss. Observing, also per bucket what the hook was given and handed to
+    # all_gather (`observing`), the step's collective traffic, and the hook state after the step.
+    def __init__(self, observe):
+        self.observe, self.steps, self.restored = observe, [], None
 
     def on_train_start(self, trainer, pl_module):
-        state = trainer.strategy.comm_hook_state
-        self.restored = state.state_dict()  # after DGCCheckpoint applied a loaded checkpoint
-        if self.trace:
-            state.trace = []
+        self.restored = trainer.strategy.comm_hook_state.state_dict()  # after DGCCheckpoint loaded one
         self.names = [name for name, _ in pl_module.named_parameters()]
+        self.name_of = {id(p): name for name, p in pl_module.named_parameters()}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.steps.append({"batch": [t.clone() for t in batch],
+        self.steps.append({"batch": [t.clone() for t in batch], "buckets": [],
                            "before": [p.detach().clone() for p in pl_module.parameters()]})
+        if self.observe:
+            ALL_GATHER.reset()
+            ALL_REDUCE.reset()
+            ALL_GATHER.active = ALL_REDUCE.active = True
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.steps[-1]["grad"] = [p.grad.detach().clone() for p in pl_module.parameters()]
+        step = self.steps[-1]
+        step["grad"] = [p.grad.detach().clone() for p in pl_module.parameters()]
+        if self.observe:  # DDP has waited for every bucket's future: the state is the step's last
+            ALL_GATHER.active = ALL_REDUCE.active = False
+            step.update(all_gather_bytes=ALL_GATHER.bytes, all_reduce_bytes=ALL_REDUCE.bytes,
+                        state=trainer.strategy.comm_hook_state.state_dict()["buffers"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps[-1].update(after=[p.detach().clone() for p in pl_module.parameters()],
                               loss=float(outputs["loss"]))
 
+    def observing(self, build):
+        # The hook factory `build`, its hook wrapped: per call, the bucket's parameter names, the
+        # gradient it holds when DDP hands it over, and what the real hook gives all_gather.
+        def build_observed():
+            hook_state, hook = build()
 
-def run(name, max_steps, hook_knobs, num_train, trace=False, ckpt_path=None, checkpoint_dir=None):
+            def observed_hook(state, bucket):
+                entry = {"names": [self.name_of[id(p)] for p in bucket.parameters()],
+                         "gradient": bucket.buffer().clone()}
+                first = ALL_GATHER.calls
+                future = hook(state, bucket)
+                entry["gathered"] = ALL_GATHER.sent[first:]
+                self.steps[-1]["buckets"].append(entry)
+                return future
+
+            return hook_state, observed_hook
+
+        return build_observed
+
+
+def run(name, max_steps, hook_knobs, num_train, observe=False, ckpt_path=None, checkpoint_dir=None):
     pl.seed_everything(0, verbose=False)
     model = DGCMLP(optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM,
                                                weight_decay=WEIGHT_DECAY))
     data = SyntheticClassificationData(num_train=num_train, batch_size=64)
-    recorder = Recorder(trace)
+    recorder = Recorder(observe)
     callbacks = [DGCCheckpoint(), recorder]
     if checkpoint_dir:
         # Saved after the step (the way Lightning resumes an epoch-end checkpoint, it would run
         # only one batch of the next epoch, and the batches would not match the full run's).
         callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, every_n_train_steps=HALF, save_last=True))
+    build = functools.partial(build_hook, **hook_knobs)
     # Small buckets: several per step, re-laid out by DDP after the first step.
-    strategy = FleetDDPStrategy(comm_hook=functools.partial(build_hook, **hook_knobs), bucket_cap_mb=0.05)
+    strategy = FleetDDPStrategy(comm_hook=recorder.observing(build) if observe else build, bucket_cap_mb=0.05)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, callbacks=callbacks,
                          max_steps=max_steps, limit_val_batches=0, logger=False,
                          enable_checkpointing=bool(checkpoint_dir), enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=OUT)
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
-    state = trainer.strategy.comm_hook_state
-    save(name, {"steps": recorder.steps, "names": recorder.names, "trace": state.trace,
-                "restored": recorder.restored, "final": state.state_dict(),
-                "sent_bytes": state.sent_bytes, "dense_bytes": state.dense_bytes})
+    save(name, {"steps": recorder.steps, "names": recorder.names, "restored": recorder.restored,
+                "final": trainer.strategy.comm_hook_state.state_dict()})
 
 
 exact = dict(rampup_begin_step=BEGIN, rampup_step=RAMPUP, sparsity=SPARSITY)
-run("full", STEPS, exact, num_train=512, trace=True)
+run("full", STEPS, exact, num_train=512, observe=True)
 run("first", HALF, exact, num_train=512, checkpoint_dir="ckpt")
 run("resumed", STEPS, exact, num_train=512, ckpt_path=OUT / "ckpt" / "last.ckpt")
 run("converge", CONVERGE_STEPS, dict(rampup_begin_step=0, rampup_step=10, sparsity=[0.75, 0.9, 0.99]),
@@ -118,22 +154,43 @@ def runs(tmp_path_factory):
     return {name: load_ranks(tmp_path, name) for name in ("full", "first", "resumed", "converge")}
 
 
-def split(flat: torch.Tensor, entry: dict, shapes: dict) -> dict:
-    """A bucket-flat vector of a trace entry -> {parameter name: tensor}."""
-    sizes = [math.prod(shapes[name]) for name in entry["names"]]
-    return dict(zip(entry["names"], flat.split(sizes)))
+def split(flat: torch.Tensor, bucket: dict, shapes: dict) -> dict:
+    """A bucket-flat vector -> {parameter name: tensor}."""
+    return dict(zip(bucket["names"], flat.split(sizes_of(bucket, shapes))))
+
+
+def bucket_flat(per_name: dict, bucket: dict) -> torch.Tensor:
+    """{parameter name: tensor} -> the bucket-flat vector (its parameters in bucket order)."""
+    return torch.cat([per_name[name].reshape(-1) for name in bucket["names"]])
+
+
+def sizes_of(bucket: dict, shapes: dict) -> list:
+    return [math.prod(shapes[name]) for name in bucket["names"]]
 
 
 def shapes_of(record: dict) -> dict:
     return {name: p.shape for name, p in zip(record["names"], record["steps"][0]["before"])}
 
 
-def sent_dense(entry: dict) -> torch.Tensor:
-    return torch.zeros_like(entry["accumulated"]).index_add_(0, entry["indices"].long(), entry["values"])
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
-def entries_of(record: dict, step: int) -> list:
-    return [entry for entry in record["trace"] if entry["step"] == step]
+def sent_dense(bucket: dict) -> torch.Tensor:
+    """What this rank handed to all_gather for the bucket (values, then indices), scattered into
+    the bucket's layout: zero where nothing was sent."""
+    values, indices = bucket["gathered"]
+    return torch.zeros_like(bucket["gradient"]).index_add_(0, indices.long(), values)
+
+
+def hook_state_before(record: dict, step: int, shapes: dict) -> tuple[dict, dict]:
+    """(momentum, residual) by parameter name as the hook state held them when `step` began."""
+    if step == 0:
+        zeros = {name: torch.zeros(math.prod(shape)) for name, shape in shapes.items()}
+        return zeros, zeros
+    buffers = record["steps"][step - 1]["state"]
+    return ({name: entry["momentum"] for name, entry in buffers.items()},
+            {name: entry["residual"] for name, entry in buffers.items()})
 
 
 # --------------------------------------------------------------------------- in-process
@@ -217,23 +274,28 @@ def test_refuses_without_the_hook():
 def test_bytes_sent_at_sparsity_0999_are_under_one_percent_of_dense(runs):
     shapes = shapes_of(runs["full"][0])
     for rank in runs["full"]:
-        steps = [s for s in range(STEPS) if sparsity_at(s, BEGIN, RAMPUP, SPARSITY) == 0.999]
-        assert len(steps) >= 5
-        for step in steps:
-            entries = entries_of(rank, step)
-            assert len(entries) >= 2  # several buckets per step
-            for entry in entries:
-                assert entry["values"].dtype == torch.float32
-                # int32 indices on the wire: counted as 4 bytes each
-                assert entry["sent_bytes"] == entry["values"].numel() * 8
-                assert entry["sent_bytes"] == message_bytes([math.prod(shapes[n]) for n in entry["names"]], 0.999)
-            sent = sum(entry["sent_bytes"] for entry in entries)
-            dense = sum(entry["dense_bytes"] for entry in entries)
-            assert dense == 4 * sum(p.numel() for p in rank["steps"][0]["before"])  # float32, all parameters
-            assert sent <= 0.01 * dense, (step, sent, dense)
-        compressed = [entry for entry in rank["trace"] if entry["sparsity"] is not None]
-        assert rank["sent_bytes"] == sum(entry["sent_bytes"] for entry in compressed)  # the state's totals
-        assert rank["dense_bytes"] == sum(entry["dense_bytes"] for entry in compressed)
+        dense = 4 * sum(p.numel() for p in rank["steps"][0]["before"])  # float32, all parameters
+        compressed = [s for s in range(STEPS) if sparsity_at(s, BEGIN, RAMPUP, SPARSITY) == 0.999]
+        assert len(compressed) >= 5
+        for step, record in enumerate(rank["steps"]):
+            buckets = record["buckets"]
+            # what a dense allreduce would send: the gradient buffers DDP hands the hook
+            assert sum(nbytes(bucket["gradient"]) for bucket in buckets) == dense
+            # all this rank handed to all_gather in the step is the formula's messages
+            sparsity = sparsity_at(step, BEGIN, RAMPUP, SPARSITY)
+            assert record["all_gather_bytes"] == (0 if sparsity is None else sum(
+                message_bytes(sizes_of(bucket, shapes), sparsity) for bucket in buckets))
+            if step not in compressed:
+                continue
+            assert len(buckets) >= 2  # several buckets per step
+            for bucket in buckets:
+                values, indices = bucket["gathered"]
+                # float32 values and int32 indices on the wire
+                assert values.dtype == torch.float32 and indices.dtype == torch.int32
+                sent = nbytes(values) + nbytes(indices)
+                assert sent == values.numel() * 8
+                assert sent == message_bytes(sizes_of(bucket, shapes), 0.999)
+            assert record["all_gather_bytes"] <= 0.01 * dense, (step, record["all_gather_bytes"], dense)
 
 
 def local_gradient(record: dict, step: int) -> dict:
@@ -248,40 +310,49 @@ def local_gradient(record: dict, step: int) -> dict:
 
 
 def test_sent_plus_residual_is_the_momentum_corrected_accumulated_gradient(runs):
+    # Recomputed in plain PyTorch from the bucket the hook was given and the state before the
+    # step, against what it handed to all_gather and the state after the step.
     shapes = shapes_of(runs["full"][0])
     for rank in runs["full"]:
-        momentum, residual = None, {name: torch.zeros(shape).reshape(-1) for name, shape in shapes.items()}
         for step in range(STEPS):
-            entries = entries_of(rank, step)
-            assert sorted(n for e in entries for n in e["names"]) == sorted(shapes)  # every parameter, once
+            record = rank["steps"][step]
+            buckets = record["buckets"]
+            assert sorted(n for b in buckets for n in b["names"]) == sorted(shapes)  # every parameter, once
             if step < BEGIN:
-                momentum = {}
-                for entry in entries:
-                    momentum.update(split(entry["momentum"], entry, shapes))
                 continue
+            sparsity = sparsity_at(step, BEGIN, RAMPUP, SPARSITY)
+            momentum, residual = hook_state_before(rank, step, shapes)
+            after = record["state"]
+            params = dict(zip(rank["names"], record["before"], strict=True))
             reference = local_gradient(rank, step)
-            for entry in entries:
-                grad, accumulated = split(entry["grad"], entry, shapes), split(entry["accumulated"], entry, shapes)
-                for name in entry["names"]:  # g: this rank's own gradient, weight decay folded in
+            for bucket in buckets:
+                # g: this rank's own gradient, weight decay folded in as the hook does (g + wd * p)
+                grad = {name: g + WEIGHT_DECAY * params[name].reshape(-1)
+                        for name, g in split(bucket["gradient"], bucket, shapes).items()}
+                for name in bucket["names"]:
                     torch.testing.assert_close(grad[name], reference[name], rtol=1e-5, atol=1e-6)
-                for name in entry["names"]:  # v = v_residual + (m * u + g), recomputed in the same order
-                    u = momentum[name] * MOMENTUM + grad[name]
-                    assert torch.equal(accumulated[name], residual[name] + u), (step, name)
-                sent = sent_dense(entry)
+                # u = m * u + g; v = v_residual + u, in the hook's order
+                corrected = {name: momentum[name] * MOMENTUM + grad[name] for name in bucket["names"]}
+                accumulated = bucket_flat({name: residual[name] + corrected[name] for name in bucket["names"]},
+                                          bucket)
+                residual_after = bucket_flat({n: after[n]["residual"] for n in bucket["names"]}, bucket)
+                momentum_after = bucket_flat({n: after[n]["momentum"] for n in bucket["names"]}, bucket)
+                indices = bucket["gathered"][1].long()
+                sent = sent_dense(bucket)
                 # exactly: what was sent and what stays add up to the accumulated gradient
-                assert torch.equal(sent + entry["residual"], entry["accumulated"])
-                assert torch.count_nonzero(sent[entry["indices"]] == entry["accumulated"][entry["indices"]]) == \
-                    entry["indices"].numel()
-                assert not entry["residual"][entry["indices"]].any()  # sent entries leave the residual
-                assert not entry["momentum"][entry["indices"]].any()  # momentum factor masking
+                assert torch.equal(sent + residual_after, accumulated), (step, bucket["names"])
+                assert torch.equal(sent[indices], accumulated[indices])
+                assert not residual_after[indices].any()  # sent entries leave the residual
+                assert not momentum_after[indices].any()  # momentum factor masking ...
+                kept = torch.ones_like(accumulated, dtype=torch.bool).index_fill_(0, indices, False)
+                assert torch.equal(momentum_after[kept], bucket_flat(corrected, bucket)[kept])  # ... and only there
                 # per parameter, its k largest magnitudes are sent
-                sent_of, residual_of = split(sent, entry, shapes), split(entry["residual"], entry, shapes)
-                for name in entry["names"]:
-                    picked = sent_of[name][accumulated[name] != residual_of[name]]
-                    assert picked.numel() == top_k(math.prod(shapes[name]), entry["sparsity"])
+                sent_of, residual_of = split(sent, bucket, shapes), split(residual_after, bucket, shapes)
+                sent_mask = split(~kept, bucket, shapes)
+                for name in bucket["names"]:
+                    picked = sent_of[name][sent_mask[name]]
+                    assert picked.numel() == top_k(math.prod(shapes[name]), sparsity)
                     assert picked.abs().min() >= residual_of[name].abs().max()
-                residual.update(split(entry["residual"], entry, shapes))
-                momentum.update(split(entry["momentum"], entry, shapes))
 
 
 def test_update_is_minus_lr_times_average_of_sent_parts(runs):
@@ -289,10 +360,10 @@ def test_update_is_minus_lr_times_average_of_sent_parts(runs):
     names = runs["full"][0]["names"]
     for step in range(BEGIN, STEPS):
         average = {}
-        per_rank = [entries_of(rank, step) for rank in runs["full"]]
-        for e0, e1 in zip(*per_rank, strict=True):
-            assert e0["names"] == e1["names"]
-            average.update(split((sent_dense(e0) + sent_dense(e1)) / 2, e0, shapes))
+        per_rank = [rank["steps"][step]["buckets"] for rank in runs["full"]]
+        for b0, b1 in zip(*per_rank, strict=True):
+            assert b0["names"] == b1["names"]
+            average.update(split((sent_dense(b0) + sent_dense(b1)) / 2, b0, shapes))
         for rank in runs["full"]:
             record = rank["steps"][step]
             for name, grad, before, after in zip(names, record["grad"], record["before"], record["after"]):
@@ -322,24 +393,34 @@ def test_before_rampup_the_update_is_dense_momentum_sgd(runs):
         reference.zero_grad()
         loss.backward()
         reference.step()
-    assert all(e["sparsity"] is None for rank in ranks for e in rank["trace"] if e["step"] < BEGIN)
+    # Seen at the collectives: dense float32 all-reduces of every gradient and nothing gathered
+    # before the ramp-up, no all-reduce after it; the residual stays empty until then.
+    for rank in ranks:
+        dense = 4 * sum(p.numel() for p in rank["steps"][0]["before"])
+        for step, record in enumerate(rank["steps"]):
+            assert record["all_reduce_bytes"] == (dense if step < BEGIN else 0), step
+            if step < BEGIN:
+                assert record["all_gather_bytes"] == 0, step
+                assert not any(entry["residual"].any() for entry in record["state"].values())
 
 
 def test_warmup_walks_the_sparsity_list(runs):
     shapes = shapes_of(runs["full"][0])
     expected = [None] * BEGIN + [0.5, 0.5, 0.9, 0.9, 0.999, 0.999] + [0.999] * (STEPS - BEGIN - RAMPUP)
+
+    def sent_at(bucket: dict, sparsity) -> int:  # ceil(numel * (1 - sparsity)) of each parameter
+        if sparsity is None:
+            return 0
+        return sum(max(1, math.ceil(round(n * (1 - sparsity), 6))) for n in sizes_of(bucket, shapes))
+
     for rank in runs["full"]:
         seen = []
-        for step in range(STEPS):
-            sparsities = {entry["sparsity"] for entry in entries_of(rank, step)}
-            assert len(sparsities) == 1
-            seen.append(sparsities.pop())
-            for entry in entries_of(rank, step):
-                if entry["sparsity"] is not None:  # ceil(numel * (1 - sparsity)) of each parameter
-                    sizes = [math.prod(shapes[name]) for name in entry["names"]]
-                    assert entry["values"].numel() == sum(max(1, math.ceil(round(n * (1 - entry["sparsity"]), 6)))
-                                                          for n in sizes)
-        assert seen == expected
+        for record in rank["steps"]:
+            # the one sparsity of the list (or dense) that explains how many values every bucket sent
+            sent = [bucket["gathered"][0].numel() if bucket["gathered"] else 0 for bucket in record["buckets"]]
+            seen.append([s for s in [None, *SPARSITY]
+                         if sent == [sent_at(bucket, s) for bucket in record["buckets"]]])
+        assert seen == [[s] for s in expected]
         assert rank["final"]["step"] == STEPS
 
 

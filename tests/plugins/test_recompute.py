@@ -11,6 +11,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from plugins.recompute import apply_recompute
+from plugins.transforms import ModelContext
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
 from runner.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier
@@ -37,7 +38,7 @@ def plain_and_recomputed(make, **options) -> tuple[nn.Module, nn.Module, tuple]:
     torch.manual_seed(0)
     model, batch = make()
     recomputed = copy.deepcopy(model)
-    apply_recompute(recomputed, "cpu", **{"checkpoints": [], "enable_offload": False, **options})
+    apply_recompute(recomputed, ModelContext(recomputed), **{"checkpoints": [], "enable_offload": False, **options})
     return model, recomputed, batch
 
 
@@ -95,7 +96,7 @@ def test_offload_takes_the_checkpoint_inputs():
     # offload the test's own hooks see it, with offload save_on_cpu packs it instead.
     model, on_device, (inputs, _) = plain_and_recomputed(mlp)
     offloaded = copy.deepcopy(model)
-    apply_recompute(offloaded, "cpu", [], enable_offload=True)
+    apply_recompute(offloaded, ModelContext(offloaded), [], enable_offload=True)
 
     def block_inputs_seen(net: nn.Module) -> list[bool]:
         pointers = []
@@ -112,7 +113,7 @@ def test_state_dict_keys_and_loading():
     model, recomputed, _ = plain_and_recomputed(mlp)
     assert list(recomputed.state_dict()) == list(model.state_dict())
     fresh = MLPClassifier()
-    apply_recompute(fresh, "cpu", ["blocks.*"], enable_offload=True)
+    apply_recompute(fresh, ModelContext(fresh), ["blocks.*"], enable_offload=True)
     fresh.load_state_dict(model.state_dict())  # an old (plain) state dict loads into the wrapped model
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
@@ -128,7 +129,7 @@ def test_state_dict_keys_and_loading():
 ])
 def test_selection(checkpoints, wrapped):
     model = MLPClassifier()
-    assert apply_recompute(model, "cpu", checkpoints, enable_offload=False) == wrapped
+    assert apply_recompute(model, ModelContext(model), checkpoints, enable_offload=False) == wrapped
     is_wrapped = {name for name, module in model.named_modules() if hasattr(module, "_checkpoint_wrapped_module")}
     assert is_wrapped == set(wrapped)
 
@@ -140,21 +141,23 @@ def test_selection(checkpoints, wrapped):
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ["0", "1"]),
 ])
 def test_empty_selects_the_repeated_blocks(make, blocks):
-    assert apply_recompute(make(), "cpu", [], enable_offload=False) == blocks
+    model = make()
+    assert apply_recompute(model, ModelContext(model), [], enable_offload=False) == blocks
 
 
 def test_typo_is_refused_with_a_suggestion():
+    model = MLPClassifier()
     with pytest.raises(ConfigError, match=r"strategy\.recompute\.checkpoints='blocks\.O'.*matches no module"
                                           r".*did you mean .*blocks\.0"):
-        apply_recompute(MLPClassifier(), "cpu", ["blocks.*", "blocks.O"], enable_offload=False)
+        apply_recompute(model, ModelContext(model), ["blocks.*", "blocks.O"], enable_offload=False)
     with pytest.raises(ConfigError, match="did you mean ResidualMLPBlock"):
-        apply_recompute(MLPClassifier(), "cpu", ["ResidualMLPBlok"], enable_offload=False)
+        apply_recompute(model, ModelContext(model), ["ResidualMLPBlok"], enable_offload=False)
 
 
 def test_no_repeated_blocks_is_refused():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(ConfigError, match="no repeated block list.*name the modules"):
-        apply_recompute(model, "cpu", [], enable_offload=False)
+        apply_recompute(model, ModelContext(model), [], enable_offload=False)
 
 
 @pytest.mark.parametrize("make_model, make_data, enable_offload", [
@@ -165,7 +168,7 @@ def test_no_repeated_blocks_is_refused():
 def test_training_loss_falls(make_model, make_data, enable_offload, tmp_path):
     torch.manual_seed(0)
     model, data = make_model(), make_data()
-    apply_recompute(model, "cpu", [], enable_offload=enable_offload)
+    apply_recompute(model, ModelContext(model), [], enable_offload=enable_offload)
     data.setup("fit")
 
     def loss() -> float:

@@ -13,7 +13,7 @@ import torch
 
 from distributed import PROJECT_ROOT, load_ranks, run_two_ranks
 from plugins.layerwise import NO_WEIGHT_DECAY
-from plugins.sharding import build_sharding, shard_units
+from plugins.sharding import shard_units
 from runner.models import GPTDecoder, MLPClassifier
 
 STEPS, HALF, LAMB_STEPS = 20, 8, 5
@@ -36,11 +36,14 @@ from torch.distributed.tensor import DTensor
 
 from distributed import save
 from plugins.amp import build_precision
-from plugins.ddp import build_ddp
 from plugins.lamb import replace_optimizer
-from plugins.sharding import build_sharding
+from plugins.transforms import transform_in_configure_model
+from runner.build import lightning_strategy, model_transforms
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
+from runner.plan import make_plan
+from runner.schema import TrainerConfig
+from runner.strategies.sharding import ShardingConfig
 
 OUT = Path(sys.argv[1])
 torch.set_num_threads(1)
@@ -102,10 +105,13 @@ class ReduceScatterCount:
 REDUCE_SCATTERS = ReduceScatterCount()
 
 
-def run(name, strategy, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=None, precision=None,
+def run(name, plan, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=None, precision=None,
         accumulate_grad_batches=1):
+    # plan: the runner's plan for this many processes and these strategies (DDP when none).
     pl.seed_everything(0, verbose=False)
     model = MLPClassifier(optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01))
+    changed = []  # by each model transform: the FSDP units come last
+    transform_in_configure_model(model, model_transforms(plan), changed.extend)
     if lamb:
         configure = model.configure_optimizers
         model.configure_optimizers = lambda: replace_optimizer(configure(), model, lamb_weight_decay=0.1,
@@ -117,7 +123,8 @@ def run(name, strategy, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_
         callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, filename="half", every_n_train_steps=HALF))
     dtypes = set()
     model.blocks[0].net[1].register_forward_hook(lambda module, args, output: dtypes.add(output.dtype))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, callbacks=callbacks, max_steps=max_steps,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=lightning_strategy(plan), callbacks=callbacks,
+                         max_steps=max_steps,
                          limit_val_batches=0, logger=False, enable_checkpointing=bool(checkpoint_dir),
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=OUT,
                          plugins=[precision] if precision else None, accumulate_grad_batches=accumulate_grad_batches)
@@ -128,7 +135,7 @@ def run(name, strategy, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_
               "params": {n: full(p) for n, p in model.named_parameters()},
               "numel": sum(full(p).numel() for p in model.parameters()),
               "dtypes": sorted(map(str, dtypes)), "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-              "units": getattr(trainer.strategy, "units", None),
+              "units": [unit.split("+") for unit in changed[-1]] if changed else None,
               "offload": [type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
                           for m in model.modules() if hasattr(m, "_get_fsdp_state")
                           and m._get_fsdp_state()._fsdp_param_group is not None],
@@ -140,10 +147,13 @@ def run(name, strategy, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_
 
 
 def sharding(stage, degree=2, dp_degree=1, offload=False):
-    return build_sharding(stage, degree, dp_degree, 1, offload, SEGMENT_MB)
+    knobs = ShardingConfig(stage=stage, degree=degree, dp_degree=dp_degree, optimize_offload=offload,
+                           segment_broadcast_MB=SEGMENT_MB)
+    return make_plan({"sharding": knobs}, TrainerConfig(devices=2))
 
 
-run("ddp", build_ddp())
+DDP = make_plan({}, TrainerConfig(devices=2))
+run("ddp", DDP)
 run("stage1", sharding(1))
 run("stage2", sharding(2))
 run("stage3", sharding(3))
@@ -153,10 +163,10 @@ run("first2", sharding(2), max_steps=HALF, checkpoint_dir="ckpt2")
 run("resumed2", sharding(2), ckpt_path=OUT / "ckpt2" / "half.ckpt")
 run("first1", sharding(1), max_steps=HALF, checkpoint_dir="ckpt1")
 run("resumed1", sharding(1), ckpt_path=OUT / "ckpt1" / "half.ckpt")
-run("lamb_ddp", build_ddp(), max_steps=LAMB_STEPS, lamb=True)
+run("lamb_ddp", DDP, max_steps=LAMB_STEPS, lamb=True)
 run("lamb_stage1", sharding(1), max_steps=LAMB_STEPS, lamb=True)
 run("lamb_stage3", sharding(3), max_steps=LAMB_STEPS, lamb=True)
-run("accumulate_ddp", build_ddp(), max_steps=4, accumulate_grad_batches=2)
+run("accumulate_ddp", DDP, max_steps=4, accumulate_grad_batches=2)
 run("accumulate_stage3", sharding(3), max_steps=4, accumulate_grad_batches=2)
 run("fp16_stage2", sharding(2), max_steps=4, precision=build_precision(
     "cpu", "float16", init_loss_scaling=1024.0, use_dynamic_loss_scaling=True, incr_every_n_steps=1000,
@@ -309,7 +319,12 @@ def test_float16_amp_gathers_half_parameters_and_keeps_float32_shards(runs):
 def test_offload_keeps_optimizer_state_on_the_host_while_computing_on_cuda(tmp_path):
     import pytorch_lightning as pl
 
+    from plugins.transforms import transform_in_configure_model
+    from runner.build import lightning_strategy, model_transforms
     from runner.data import SyntheticClassificationData
+    from runner.plan import make_plan
+    from runner.schema import TrainerConfig
+    from runner.strategies.sharding import ShardingConfig
 
     seen = {}
 
@@ -322,11 +337,14 @@ def test_offload_keeps_optimizer_state_on_the_host_while_computing_on_cuda(tmp_p
             seen["state"] = {t.device.type for s in state for t in s.values() if torch.is_tensor(t) and t.dim()}
             seen["params"] = {p.device.type for p in pl_module.parameters()}
 
-    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=build_sharding(3, 1, 1, 1, True, SEGMENT_MB),
-                         callbacks=[Check()], max_steps=2, limit_val_batches=0, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=tmp_path)
-    trainer.fit(MLPClassifier(optimizer=torch.optim.AdamW), SyntheticClassificationData())
+    plan = make_plan({"sharding": ShardingConfig(stage=3, optimize_offload=True, segment_broadcast_MB=SEGMENT_MB)},
+                     TrainerConfig(devices=1))
+    model = MLPClassifier(optimizer=torch.optim.AdamW)
+    transform_in_configure_model(model, model_transforms(plan))
+    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=lightning_strategy(plan), callbacks=[Check()],
+                         max_steps=2, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, SyntheticClassificationData())
     assert seen == {"loss": "cuda", "state": {"cpu"}, "params": {"cpu"}}
 
 

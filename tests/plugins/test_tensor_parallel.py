@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 from distributed import save
 from plugins.recompute import apply_recompute
 from plugins.tensor_parallel import apply_tensor_parallel
+from plugins.transforms import ModelContext
 from runner.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
 
@@ -69,14 +70,15 @@ for mesh_name, mesh in meshes.items():
     record["trained"] = [{name: full(p) for name, p in net.named_parameters()} for net in (model, reference)]
     save(mesh_name, record)
 
-# Recompute wraps the blocks before the Lightning strategy splits the model: the plan's names
-# must still find the modules inside the checkpoint wrappers.
+# The plan's order: tensor parallelism, then recompute wraps the split blocks, which still
+# compute (and recompute in backward) what the whole model computes.
 torch.manual_seed(0)
 wrapped = GPTDecoder()
 whole = copy.deepcopy(wrapped)
-apply_recompute(wrapped, "cpu", [], False)
 wrapped_names = apply_tensor_parallel(wrapped, meshes["1d"])
-save("recompute", {"names": wrapped_names, "logits": (full(wrapped(batches[0][0])), whole(batches[0][0]).detach())})
+recomputed = apply_recompute(wrapped, ModelContext(wrapped), [], False)
+save("recompute", {"names": wrapped_names, "recomputed": recomputed, "split": run(wrapped, batches[0]),
+                   "whole": run(whole, batches[0])})
 
 
 class NoSuchModule(nn.Module):
@@ -151,8 +153,12 @@ def test_refusals_leave_the_model_untouched(case, message, run_dir):
         assert untouched, case  # checked before anything is split
 
 
-def test_plan_names_look_through_recompute_wrappers(run_dir):
+def test_recompute_after_tensor_parallelism_wraps_the_split_blocks(run_dir):
     for record in load_ranks(run_dir, "recompute"):
-        assert [name.replace("._checkpoint_wrapped_module", "") for name in record["names"]] == sorted(SPLIT)
-        assert all("_checkpoint_wrapped_module" in name for name in record["names"])
-        torch.testing.assert_close(*record["logits"], atol=1e-5, rtol=0)
+        assert record["names"] == sorted(SPLIT) and record["recomputed"] == ["blocks.0", "blocks.1"]
+        split, whole = record["split"], record["whole"]
+        torch.testing.assert_close(split["logits"], whole["logits"], atol=1e-5, rtol=0)
+        grads = {name.replace("._checkpoint_wrapped_module", ""): grad for name, grad in split["grads"].items()}
+        assert grads.keys() == whole["grads"].keys()
+        for name, grad in whole["grads"].items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=0, msg=name)

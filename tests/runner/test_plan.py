@@ -5,10 +5,15 @@ import dataclasses
 
 import pytest
 
+from runner.contribution import Component, Contribution
 from runner.errors import ConfigError, Refusal
-from runner.plan import Component, Contribution, format_plan, make_plan
-from runner.schema import (AmpConfig, GradientMergeConfig, PipelineConfig, RecomputeConfig, ShardingConfig,
-                           TrainerConfig)
+from runner.plan import PHASES, Plan, format_plan, make_plan
+from runner.schema import TrainerConfig
+from runner.strategies.amp import AmpConfig
+from runner.strategies.gradient_merge import GradientMergeConfig
+from runner.strategies.pipeline import PipelineConfig
+from runner.strategies.recompute import RecomputeConfig
+from runner.strategies.sharding import ShardingConfig
 
 
 @dataclasses.dataclass
@@ -64,7 +69,9 @@ def test_printed_plan_names_who_asked_for_what():
 
 
 def test_communication_strategies_run_under_ddp_even_in_one_process():
-    from runner.schema import DGCConfig, FP16AllreduceConfig, LarsConfig
+    from runner.strategies.dgc import DGCConfig
+    from runner.strategies.fp16_allreduce import FP16AllreduceConfig
+    from runner.strategies.lars import LarsConfig
 
     plan = make_plan({"fp16_allreduce": FP16AllreduceConfig()}, TrainerConfig())
     assert plan.comm_hook.component.target == "plugins.fp16_allreduce:build_hook"
@@ -75,8 +82,8 @@ def test_communication_strategies_run_under_ddp_even_in_one_process():
 
 def test_sharding_degree_defaults_to_the_ranks_left_and_the_product_must_be_the_world():
     plan = make_plan({"sharding": ShardingConfig(stage=2, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
-    kwargs = plan.lightning_strategy.component.kwargs
-    assert (kwargs["dp_degree"], kwargs["degree"], kwargs["mp_degree"]) == (2, 4, 1)
+    layout = plan.lightning_strategy.component.kwargs["layout"]
+    assert (layout["dp_replicate"], layout["dp_shard"], layout["tp"]) == (2, 4, 1)
     with pytest.raises(ConfigError, match=r"^strategy.sharding.degree=3: dp_degree x degree x mp_degree x pp_degree = "
                                           r"2 x 3 x 1 x 1 = 6, but the run has 8 process\(es\)$"):
         make_plan({"sharding": ShardingConfig(degree=3, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
@@ -125,7 +132,7 @@ def test_sharding_with_pipeline_shards_optimizer_states_over_the_pipeline_replic
     plan = make_plan({"pipeline": PipelineConfig(), "sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4), 32)
     assert plan.lightning_strategy.by == "pipeline"
     kwargs = plan.lightning_strategy.component.kwargs
-    assert (kwargs["data_parallel_size"], kwargs["shard_optimizer_states"]) == (2, True)
+    assert (kwargs["layout"]["dp_shard"], kwargs["shard_optimizer_states"]) == (2, True)
     for knobs, message in [({"stage": 2, "pp_degree": 2}, r"^strategy.sharding.stage=2: with pipeline only stage 1"),
                            ({}, r"^strategy.sharding.pp_degree=1: with pipeline: the processes of one pipeline"),
                            ({"pp_degree": 3}, r"^strategy.sharding.degree=1: .* = 1 x 1 x 1 x 3 = 3, but the run has 4"),
@@ -134,3 +141,37 @@ def test_sharding_with_pipeline_shards_optimizer_states_over_the_pipeline_replic
             make_plan({"sharding": ShardingConfig(**knobs), "pipeline": PipelineConfig()}, TrainerConfig(devices=4), 32)
     with pytest.raises(ConfigError, match=r"^strategy.sharding.pp_degree=2: > 1 needs strategy pipeline too$"):
         make_plan({"sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4))
+
+
+def test_a_communication_hook_needs_a_lightning_strategy_that_takes_one():
+    from runner.strategies.fp16_allreduce import FP16AllreduceConfig
+
+    for stage, target in [(1, "plugins.sharding:build_zero_stage1"), (3, "plugins.sharding:build_fsdp")]:
+        with pytest.raises(Refusal, match=rf"^sharding and fp16_allreduce both own the gradient communication hook: "
+                                          rf"sharding's Lightning strategy \({target}\) communicates gradients itself"):
+            make_plan({"fp16_allreduce": FP16AllreduceConfig(), "sharding": ShardingConfig(stage=stage)},
+                      TrainerConfig(devices=2))
+
+
+def test_model_transforms_only_in_declared_phases():
+    stray = Contribution(model_transforms=[("compile", Component("x:y"))])
+    with pytest.raises(Refusal, match=r"^strategy a adds a model transform in phase 'compile'; phases: precision, "):
+        make_plan({"a": Claims(stray)}, TrainerConfig())
+
+
+def test_every_declared_phase_is_used_in_its_order():
+    plan = make_plan({"amp": AmpConfig(custom_white_list=["Linear"]), "recompute": RecomputeConfig(),
+                      "sharding": ShardingConfig(stage=2, mp_degree=2)}, TrainerConfig(devices=2))
+    pipelined = make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=2), 32)
+    assert [c.phase for c in plan.model_transforms] == ["precision", "tensor_parallel", "recompute", "sharding"]
+    assert [c.phase for c in pipelined.model_transforms] == ["pipeline"]
+    assert set(PHASES) == {c.phase for c in plan.model_transforms + pipelined.model_transforms}
+
+
+def test_the_saved_plan_reads_back_as_the_same_plan():
+    import yaml
+
+    plan = make_plan({"amp": AmpConfig(custom_black_list=["head"]), "recompute": RecomputeConfig(),
+                      "pipeline": PipelineConfig(), "sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4), 32)
+    saved = yaml.safe_load(yaml.safe_dump({"printed": format_plan(plan).splitlines(), **plan.to_dict()}))
+    assert Plan.from_dict(saved) == plan

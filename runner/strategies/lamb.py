@@ -1,0 +1,28 @@
+"""lamb: layer-wise adaptive moments (Fleet `strategy.lamb`); carried out by plugins/lamb.py."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, List
+
+from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.errors import require
+
+
+@dataclass
+class LambConfig(Strategy):
+    """Layer-wise adaptive moments (Fleet: `strategy.lamb`, `lamb_configs`; You et al. 2019).
+    Replaces the model's Adam/AdamW optimizer, keeping its learning rate, betas, epsilon and
+    schedulers: Adam's update scaled per tensor by the trust ratio ||w|| / ||update||."""
+
+    name: ClassVar[str] = "lamb"
+
+    lamb_weight_decay: float = 0.01
+    """Decoupled weight decay inside the LAMB update."""
+    exclude_from_weight_decay: List[str] = field(default_factory=list)
+    """Parameter-name substrings (e.g. bn, bias, norm) whose tensors get no weight decay."""
+
+    def __post_init__(self) -> None:
+        require(self.lamb_weight_decay >= 0, "strategy.lamb.lamb_weight_decay", self.lamb_weight_decay, "must be >= 0")
+
+    def contribute(self, run: RunShape) -> Contribution:
+        return Contribution(optimizer=Component("plugins.lamb:replace_optimizer", asdict(self)))

@@ -1,0 +1,32 @@
+"""localsgd: local SGD with periodic parameter averaging (Fleet `strategy.localsgd`); carried out by
+plugins/localsgd.py."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.errors import require
+
+
+@dataclass
+class LocalSGDConfig(Strategy):
+    """Local SGD (Fleet: `strategy.localsgd`, `localsgd_configs`; Lin et al. 2018): gradients are
+    averaged every step until begin_step, then each process steps alone and the parameters are
+    averaged every k_steps (torch post-local-SGD hook + periodic model averager)."""
+
+    name: ClassVar[str] = "localsgd"
+
+    k_steps: int = 1
+    """Local steps between two parameter averagings."""
+    begin_step: int = 1
+    """Step from which local SGD starts (synchronous data parallelism before)."""
+
+    def __post_init__(self) -> None:
+        require(self.k_steps >= 1, "strategy.localsgd.k_steps", self.k_steps, "must be >= 1")
+        require(self.begin_step >= 1, "strategy.localsgd.begin_step", self.begin_step, "must be >= 1")
+
+    def contribute(self, run: RunShape) -> Contribution:
+        return Contribution(
+            comm_hook=Component("plugins.localsgd:build_hook", {"begin_step": self.begin_step}),
+            callbacks=[Component("plugins.localsgd:ModelAveraging", asdict(self))])
