@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from runner import strategies
+
 HEAVY = ("torch", "pytorch_lightning", "lightning_fabric")
 
 
@@ -104,8 +106,8 @@ def test_multi_node_without_rendezvous_address_is_refused_before_spawning(lightf
 def test_help_lists_groups_strategies_and_experiments(lightfleet):
     done = lightfleet("--help")
     assert done.returncode == 0
-    assert ("strategies available: adaptive_localsgd, amp, dgc, fp16_allreduce, gradient_merge, lamb, lars, "
-            "localsgd, pipeline, recompute, sharding") in done.stdout
+    assert f"strategies available: {', '.join(strategies.names())}\n" in done.stdout  # the registry's
+    assert {"amp", "recompute", "sharding", "pipeline"} <= set(strategies.names())
     assert "quickstart" in done.stdout
 
 
