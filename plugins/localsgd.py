@@ -106,6 +106,14 @@ class ModelAveraging(LocalSGDCallback):
                                                       warmup_steps=self.begin_step + self.k_steps - 1)
 
     @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The averager holds the world process group: kept, it would keep the group's gloo threads
+        # alive past destroy_process_group (runner/train.py) until the trainer's reference cycle is
+        # collected at interpreter exit, where a rank can abort ("terminate called without an
+        # active exception"). The next fit makes a new one (its step is set at every call).
+        self.averager = None
+
+    @override
     def after_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                              step: int) -> bool:
         averager = self.averager

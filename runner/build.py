@@ -89,8 +89,9 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     if plan.optimizer is not None:
         replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
                                           **plan.optimizer.component.kwargs))
-    callbacks = [instantiate_checked(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node]
-    callbacks += [claim.component.load()(**claim.component.kwargs) for claim in plan.callbacks]
+    # The plan's callbacks first: the user's then see what the strategies did (summed gradients, averaged parameters).
+    callbacks = [claim.component.load()(**claim.component.kwargs) for claim in plan.callbacks]
+    callbacks += [instantiate_checked(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node]
     trainer = pl.Trainer(**trainer_args, strategy=lightning_strategy(plan), plugins=plugins, callbacks=callbacks,
                          logger=loggers(cfg), default_root_dir=str(run_dir))
     return Built(trainer, model, datamodule)

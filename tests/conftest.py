@@ -37,7 +37,9 @@ def lightfleet(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """Run the real command in a fresh process, from `tmp_path`, with stdout and stderr apart."""
 
     def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # tests/ and tests/plugins importable by every rank: the probes (tests/probe.py) and what they read.
+        paths = [str(PROJECT_ROOT / "tests"), str(PROJECT_ROOT / "tests" / "plugins"), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
         for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
             env.pop(var, None)
         return subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=env,

@@ -1,22 +1,22 @@
 """Every allowed row of conf/compat.yaml trains for real in 2 processes (gloo on CPU; pipeline with
-sharding in 4: 2 pipeline replicas of 2 stages).
+sharding in 4: 2 pipeline replicas of 2 stages), with each member's knobs set so that it acts, and
+each member shows the effect it is known for.
 
-Rows come from the table itself, so a row cannot be added without being trained here."""
+Rows come from the table itself, so a row cannot be added without being trained here. What a
+strategy sets to act in a row (`ROW`) and the effect it must show (`row_effect`, over every
+rank's record from tests/probe.py:Effects) come from its test module, tests/plugins/test_<name>.py."""
 from __future__ import annotations
 
 import csv
 
 import pytest
+import torch
 import yaml
 
+from probe import strategy_tests
 from runner.compat import load_table
 
 ROWS = sorted(sorted(row) for row in load_table().allowed)
-# The base optimizer each replacement needs: LAMB replaces Adam-family optimizers (the GPT's
-# AdamW); LARS and DGC replace momentum SGD (the MLP's default). Sharding rows run stage 3, the
-# stage that changes the most (parameters too are sharded); tests/plugins/test_sharding.py
-# checks stages 1 and 2 against DDP.
-NEEDS = {"lamb": ["model=gpt", "data=language_model"], "sharding": ["strategy.sharding.stage=3"]}
 # Sharding with pipeline is stage 1 over pipeline replicas: 2 replicas of a 2-process pipeline.
 PIPELINE_SHARDING = ["trainer.devices=4", "strategy.sharding.stage=1", "strategy.sharding.pp_degree=2"]
 
@@ -24,17 +24,17 @@ PIPELINE_SHARDING = ["trainer.devices=4", "strategy.sharding.stage=1", "strategy
 def overrides(row: list) -> list:
     """The processes and the per-strategy settings a row trains with."""
     if {"pipeline", "sharding"} <= set(row):
-        return PIPELINE_SHARDING + [o for name in row if name != "sharding" for o in NEEDS.get(name, [])]
-    return ["trainer.devices=2"] + [override for name in row for override in NEEDS.get(name, [])]
+        return PIPELINE_SHARDING + [o for name in row if name != "sharding" for o in strategy_tests(name).ROW]
+    return ["trainer.devices=2"] + [override for name in row for override in strategy_tests(name).ROW]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=["+".join(row) for row in ROWS])
-def test_allowed_row_trains_in_two_processes(row, lightfleet, tmp_path):
+def test_allowed_row_trains_and_every_member_acts(row, lightfleet, tmp_path):
     extra = overrides(row)
     devices = int(next(o for o in extra if o.startswith("trainer.devices=")).partition("=")[2])
     done = lightfleet(f"strategy=[{','.join(row)}]", "paths.output_dir=run", *extra,
                       "trainer.max_steps=30", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-                      "trainer.enable_model_summary=false")
+                      "trainer.enable_model_summary=false", "+callbacks.effects._target_=probe.Effects")
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     assert sorted(yaml.safe_load((run / "plan.yaml").read_text())["strategies"]) == row
@@ -43,3 +43,6 @@ def test_allowed_row_trains_in_two_processes(row, lightfleet, tmp_path):
     assert len(losses) >= 20
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.9 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    ranks = [torch.load(run / f"effects.rank{rank}.pt", weights_only=False) for rank in range(devices)]
+    for name in row:
+        strategy_tests(name).row_effect(ranks)

@@ -14,6 +14,7 @@ import torch
 
 from distributed import load_ranks, run_two_ranks
 from plugins.adaptive_localsgd import AdaptiveModelAveraging
+from probe import Knob, WiringCase
 
 BEGIN_STEP = 2
 MAX_STEPS = 60
@@ -51,14 +52,22 @@ class Period(pl.Callback):  # the period after every step
         self.k_steps.append(self.averaging.k_steps)
 
 
+class Local(pl.Callback):  # listed before the averaging: this rank's parameters after its own optimizer step
+    def __init__(self):
+        self.params = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.params.append(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone())
+
+
 spy = AllReduceSpy()
 for name, (init_k_steps, gamma) in RUNS.items():  # one trainer after the other in the same 2 processes
     averaging = AdaptiveModelAveraging(init_k_steps=init_k_steps, begin_step=BEGIN_STEP)
-    period, record = Period(averaging), Record(spy)
-    trainer = fit(lambda: build_hook(begin_step=BEGIN_STEP), [averaging, period, record], max_steps=MAX_STEPS,
-                  model=DecayingLR(gamma), batch_size=64)
-    save(name, {"steps": record.steps, "k_steps": period.k_steps, "state": averaging.state_dict(),
-                "logged_k": float(trainer.callback_metrics["localsgd_k"])})
+    local, period, record = Local(), Period(averaging), Record(spy)
+    trainer = fit(lambda: build_hook(begin_step=BEGIN_STEP), [local, averaging, period, record],
+                  max_steps=MAX_STEPS, model=DecayingLR(gamma), batch_size=64)
+    save(name, {"steps": record.steps, "local": local.params, "k_steps": period.k_steps,
+                "state": averaging.state_dict(), "logged_k": float(trainer.callback_metrics["localsgd_k"])})
 """
 
 
@@ -115,6 +124,28 @@ def test_period_follows_the_formula_and_parameters_are_averaged_then(name, run_d
             assert (s0["params"] - s1["params"]).abs().max() > 1e-5 and calls == 0, step
 
 
+@pytest.mark.parametrize("name", RUNS)
+def test_averaging_gives_every_rank_the_mean_of_the_ranks_local_steps(name, run_dir):
+    """Witness of the averaging itself: each rank's parameters after its own optimizer step
+    (recorded before the averaging callback ran), averaged here in plain PyTorch."""
+    init_k_steps, _ = RUNS[name]
+    ranks = load_ranks(run_dir, name)
+    _, averaged = replay(ranks, init_k_steps)[:2]
+    for index, averages in enumerate(averaged):
+        local = [rank["local"][index] for rank in ranks]
+        after = [rank["steps"][index]["params"] for rank in ranks]
+        step = ranks[0]["steps"][index]["step"]
+        if averages:
+            # the ranks stepped apart, so the mean is neither rank's parameters nor their maximum
+            assert (local[0] - local[1]).abs().max() > 1e-4, step
+            mean = (local[0] + local[1]) / 2
+            for params in after:
+                torch.testing.assert_close(params, mean, rtol=0, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+        else:  # nothing between the optimizer step and the end of the batch changed the parameters
+            for params, own in zip(after, local):
+                assert torch.equal(params, own), step
+
+
 def losses_and_periods(run_dir, name):
     ranks = load_ranks(run_dir, name)
     losses = [(s0["loss"] + s1["loss"]) / 2 for s0, s1 in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
@@ -149,3 +180,33 @@ def test_state_round_trips_through_a_checkpoint():
     restored.load_state_dict(averaging.state_dict())
     assert restored.state_dict() == averaging.state_dict() == {
         "syncs": 7, "k_steps": 9, "loss0": 1.25, "lr0": 0.1, "next_average_step": 42}
+
+
+# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
+
+
+def adaptive_averaging(trainer):
+    return next(c for c in trainer.callbacks if isinstance(c, AdaptiveModelAveraging))
+
+
+WIRING = [WiringCase({
+    "init_k_steps": Knob(3, lambda trainer, model: adaptive_averaging(trainer).init_k_steps),
+    "begin_step": Knob(2, lambda trainer, model: [trainer.strategy.comm_hook_state.start_localSGD_iter,
+                                                  adaptive_averaging(trainer).begin_step], [2, 2]),
+}, ["trainer.devices=2"])]
+
+
+# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
+
+
+ROW = ["strategy.adaptive_localsgd.init_k_steps=3"]
+
+
+def row_effect(ranks):
+    """The ranks drift apart between averagings and hold the same parameters right after one."""
+    syncs = [state["metrics"].get("localsgd_syncs", 0.0) for state in ranks[0]["states"]]
+    averaged = [i for i in range(1, len(syncs)) if syncs[i] > syncs[i - 1]]
+    assert averaged, "no averaging"
+    for i in range(2, len(syncs)):
+        same = len({rank["states"][i]["checksum"] for rank in ranks}) == 1
+        assert same == (i in averaged), (i, averaged)

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from plugins.gradient_merge import GradientSum
+from probe import Knob, WiringCase
 from runner.models import MLPClassifier
 
 LR = 0.1
@@ -75,3 +76,45 @@ def test_update_is_minus_lr_times_merged_gradient(k_steps, avg, num_micro_batche
         scale = len(window) / k_steps if avg else len(window)
         for old, new, grad in zip(before, after, gradient, strict=True):
             torch.testing.assert_close(new - old, -LR * scale * grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("avg", [True, False])
+def test_through_the_runner_the_merged_gradient_is_the_big_batch_mean_or_the_sum(avg, lightfleet, tmp_path):
+    """`strategy=[gradient_merge]` on the command line, 4 micro-batches of 8: the first step's
+    gradient is the gradient of the 32 samples' mean loss (avg), or 4 times it (the sum)."""
+    done = lightfleet("strategy=[gradient_merge]", "strategy.gradient_merge.k_steps=4",
+                      f"strategy.gradient_merge.avg={str(avg).lower()}", "data.batch_size=8", "trainer.max_steps=1",
+                      "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+                      "paths.output_dir=run",
+                      "+callbacks.first_step._target_=probe.FirstStep")
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = torch.load(tmp_path / "run" / "first_step.pt", weights_only=False)
+    assert len(record["batches"]) == 4
+    inputs, targets = (torch.cat(tensors) for tensors in zip(*record["batches"]))
+    model = MLPClassifier(input_dim=32, hidden_dim=64, num_blocks=3, num_classes=4)  # conf/model/mlp.yaml
+    gradient = big_batch_gradient(model, list(record["initial"].values()), inputs, targets)
+    for (name, grad), expected in zip(record["grads"].items(), gradient, strict=True):
+        torch.testing.assert_close(grad, (1 if avg else 4) * expected, atol=1e-6, rtol=1e-5, msg=name)
+
+
+# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
+
+
+WIRING = [WiringCase({
+    "k_steps": Knob(3, lambda trainer, model: trainer.accumulate_grad_batches),
+    # Summing: GradientSum multiplies Lightning's averaged gradient back by k_steps.
+    "avg": Knob(False, lambda trainer, model: not any(isinstance(c, GradientSum) and c.k_steps == 3
+                                                     for c in trainer.callbacks)),
+})]
+
+
+# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
+
+
+ROW = ["strategy.gradient_merge.k_steps=2"]
+
+
+def row_effect(ranks):
+    """One optimizer step per two batches."""
+    for rank in ranks:
+        assert [state["global_step"] for state in rank["states"]] == [i // 2 for i in range(len(rank["states"]))]

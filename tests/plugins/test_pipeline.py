@@ -17,6 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from distributed import load_ranks, run_two_ranks
 from plugins.pipeline_split import balanced_cuts, stage_ranks, stage_split_points
+from probe import Knob, WiringCase
 from runner.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier
 
@@ -56,19 +57,29 @@ torch.set_num_threads(1)
 class Recorder(pl.Callback):
     # Per step: the batch, this rank's gradients and (after the step) parameters by name, the
     # loss, the peak bytes of activations saved for backward, the gradient reductions of the
-    # stages' DDP, and the state of the optimizer over this rank's share by parameter name. Per
-    # validation: its batches, this rank's buffers before it, its state_dict after, the logged val_loss.
+    # stages' DDP, the dtypes of the floating outputs of the stages' modules (training only), and
+    # the state of the optimizer over this rank's share by parameter name. Per validation: its
+    # batches, this rank's buffers before it, its state_dict after, the logged val_loss.
     def __init__(self):
         self.steps = []
         self.validations = []
         self.reductions = 0
         self.hooks = None
+        self.computing = False  # within a training batch: the stages' output dtypes are recorded
 
     def on_train_start(self, trainer, pl_module):
         self.initial = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
         for stage in trainer.strategy.stages:
             if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
                 stage.submod.register_comm_hook(stage.submod.process_group, self.reduce)
+            # The traced stages are what runs (the LightningModule's own modules are not called).
+            for module in stage.submod.modules():
+                module.register_forward_hook(self.output_dtypes)
+
+    def output_dtypes(self, module, args, output):
+        if self.computing:
+            self.steps[-1]["dtypes"].update(str(t.dtype) for t in torch.utils._pytree.tree_leaves(output)
+                                            if torch.is_tensor(t) and t.is_floating_point())
 
     def reduce(self, group, bucket):
         self.reductions += 1
@@ -78,13 +89,15 @@ class Recorder(pl.Callback):
         self.meter = SavedActivationBytes(list(pl_module.parameters()))
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
         self.hooks.__enter__()
-        self.steps.append({"batch": [t.clone() for t in batch], "reductions": self.reductions})
+        self.steps.append({"batch": [t.clone() for t in batch], "reductions": self.reductions, "dtypes": set()})
+        self.computing = True
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.steps[-1]["grads"] = {name: p.grad.clone() for name, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.stop_metering()
+        self.computing = False
         names = {id(p): name for name, p in pl_module.named_parameters()}
         optimizer = trainer.optimizers[0]
         state = getattr(optimizer, "optim", optimizer).state  # ZeroRedundancyOptimizer's is its share's
@@ -97,6 +110,7 @@ class Recorder(pl.Callback):
 
     def on_exception(self, trainer, pl_module, exception):
         self.stop_metering()  # a refused training batch ends no batch: the next fit must not be metered
+        self.computing = False
 
     def stop_metering(self):
         if self.hooks is not None:
@@ -372,6 +386,17 @@ def test_trains_with_amp_and_recompute(runs, name):
     assert len(losses) == TRAIN_STEPS and sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
 
 
+def test_bf16_stages_compute_in_bfloat16(runs):
+    """Under bf16 amp the traced stages that run compute in bfloat16 (their modules' floating
+    outputs) at every training step, on both ranks; in a float32 run they never do."""
+    for bf16, fp32 in zip(runs["bf16"], runs["1F1B"], strict=True):
+        assert len(bf16["steps"]) == TRAIN_STEPS
+        for index, step in enumerate(bf16["steps"]):
+            assert "torch.bfloat16" in step["dtypes"], (index, step["dtypes"])
+        for index, step in enumerate(fp32["steps"]):
+            assert step["dtypes"] == {"torch.float32"}, (index, step["dtypes"])
+
+
 def test_recompute_keeps_only_block_inputs(runs):
     for plain, recomputed in zip(runs["1F1B"], runs["recompute"]):
         # the same first step (same weights, micro-batches, stages): the wrapped blocks save their
@@ -464,3 +489,40 @@ def test_resume_with_replicas_and_zero_gives_the_same_losses(dp_runs):
     metadata = FileSystemReader(checkpoint).read_metadata()
     written = sum(path.stat().st_size for path in checkpoint.glob("*.distcp"))
     assert written == sum(info.length for info in metadata.storage_data.values())
+
+
+# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
+
+
+def schedule_name(trainer, model):
+    return type(trainer.strategy.schedule).__name__.removeprefix("Schedule")
+
+
+def first_block_elsewhere(trainer, model):
+    """Reader: on the first rank, where the next stage begins: its first block holding no parameter here."""
+    held = {name.split(".")[1] for name, _ in model.named_parameters() if name.startswith("blocks.")}
+    return [f"blocks.{next(index for index in range(len(model.blocks)) if str(index) not in held)}"]
+
+
+PIPELINE = ["trainer.devices=2", "model.num_blocks=4"]
+WIRING = [
+    WiringCase({"schedule_mode": Knob("GPipe", schedule_name), "split_points": Knob(["blocks.3"], first_block_elsewhere),
+                "micro_batch_size": Knob(8, lambda trainer, model: trainer.strategy.micro_batch_size),
+                "accumulate_steps": Knob(2, lambda trainer, model: trainer.strategy.schedule._n_microbatches)},
+               PIPELINE + ["data.batch_size=16"]),
+    WiringCase({"schedule_mode": Knob("Interleaved1F1B", schedule_name),
+                "vpp_degree": Knob(2, lambda trainer, model: len(trainer.strategy.stages))}, PIPELINE),
+]
+
+
+# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
+
+
+ROW = []
+
+
+def row_effect(ranks):
+    """The ranks of a pipeline (consecutive pairs) hold disjoint, non-empty shares of the parameters."""
+    for first, second in zip(ranks[::2], ranks[1::2]):
+        mine, theirs = set(first["static"]["parameters"]), set(second["static"]["parameters"])
+        assert mine and theirs and not mine & theirs

@@ -1,0 +1,466 @@
+"""Mutation check: do the tests catch realistic bugs in the strategies?
+
+Copies the project (runner/, plugins/, conf/, experiments/, tests/, bench/, pyproject.toml) into a
+temporary directory once, then plants each mutant below there, one at a time (an exact `old` text,
+which must occur once in its file, replaced by `new`), runs its pytest selection with cwd and
+PYTHONPATH the copy, and restores the file. A mutant is caught when a selected test fails.
+
+    python tests/mutations.py                    every mutant
+    python tests/mutations.py ID [ID ...]        some (--list prints them)
+    python tests/mutations.py --baseline [ID ...]  their selections on the unmutated copy: all must pass
+Results: a markdown table on stdout and JSON in --out (default tests/mutations.json, or
+tests/mutations_baseline.json with --baseline). Exit status 0 when every mutant is caught (baseline: passes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("runner", "plugins", "conf", "experiments", "tests", "bench", "pyproject.toml")
+PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
+TIMEOUT_S = 15 * 60  # per mutant (per selection step with --baseline)
+
+Step = Tuple[str, ...]  # the arguments of one pytest run after PYTEST
+
+
+def module(strategy: str) -> Step:
+    """The strategy's own test module."""
+    return (f"tests/plugins/test_{strategy}.py",)
+
+
+def wiring(expression: str) -> Step:
+    return ("tests/test_wiring.py", "-k", expression)
+
+
+def rows(*names: str) -> Step:
+    """Rows of tests/test_combinations.py by their ids ("amp+recompute"); `-k`, so a renamed test still matches."""
+    return ("tests/test_combinations.py", "-k", " or ".join(f"[{name}]" for name in names))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    strategy: str
+    description: str
+    file: str
+    old: str
+    new: str
+    selection: Tuple[Step, ...]  # pytest runs, cheapest first; the first failing one catches the mutant
+
+
+MUTANTS = [
+    # ------------------------------------------------------------------ the harness itself
+    Mutant("harness-copy-imported", "harness",
+           "python -m runner fails at import: the tests' subprocesses must run the mutated copy",
+           "runner/__main__.py", "from runner.cli import main\n",
+           'raise ImportError("mutations.py: the scratch copy is what runs")\nfrom runner.cli import main\n',
+           (wiring("lars"),)),
+    # ------------------------------------------------------------------ amp
+    Mutant("amp-no-autocast", "amp", "float16 autocast on a hard-coded 'cuda' device: CPU layers never autocast",
+           "plugins/amp.py",
+           'return MixedPrecision("16-mixed", device_type, scaler=FleetGradScaler(device_type, **loss_scaling))',
+           'return MixedPrecision("16-mixed", "cuda", scaler=FleetGradScaler(device_type, **loss_scaling))',
+           (module("amp"), wiring("amp"), rows("amp+recompute"))),
+    Mutant("amp-default-scaler", "amp", "float16 gets Lightning's default GradScaler: Fleet's loss scaling ignored",
+           "plugins/amp.py",
+           'return MixedPrecision("16-mixed", device_type, scaler=FleetGradScaler(device_type, **loss_scaling))',
+           'return MixedPrecision("16-mixed", device_type)',
+           (module("amp"), wiring("amp"), rows("amp+recompute"))),
+    Mutant("amp-incr-ratio-dropped", "amp", "incr_ratio not passed to the scaler (growth factor fixed at 2)",
+           "plugins/amp.py", "growth_factor=incr_ratio,", "growth_factor=2.0,",
+           (wiring("amp"), module("amp"), rows("amp+recompute"))),
+    Mutant("amp-overflow-not-shared", "amp",
+           "overflow flag all-reduced but not written back: ranks skip different steps",
+           "plugins/amp.py",
+           "            per_device.setdefault(found_inf.device, found_inf)\n"
+           "            for device_flag in per_device.values():\n"
+           "                device_flag.copy_(flag)\n",
+           "            per_device.setdefault(found_inf.device, found_inf)\n",
+           (module("amp"), rows("amp+recompute"))),
+    # ------------------------------------------------------------------ recompute
+    Mutant("recompute-not-wrapped", "recompute", "checkpoint wrappers built but never registered: no block recomputed",
+           "plugins/recompute.py",
+           "        module.get_submodule(parent_name).register_module(child, checkpointed)\n", "",
+           (module("recompute"), wiring("recompute"), rows("amp+recompute"))),
+    Mutant("recompute-checkpoints-dropped", "recompute", "checkpoints knob not passed: always the repeated blocks",
+           "runner/strategies/recompute.py",
+           '{"checkpoints": list(self.checkpoints), "enable_offload": self.enable_offload}',
+           '{"checkpoints": [], "enable_offload": self.enable_offload}',
+           (wiring("recompute"), module("recompute"), rows("amp+recompute"))),
+    # ------------------------------------------------------------------ gradient_merge
+    Mutant("gradient-merge-not-accumulating", "gradient_merge",
+           "accumulate_grad_batches not set: every micro-step updates",
+           "runner/strategies/gradient_merge.py",
+           'contribution = Contribution(trainer_args={"accumulate_grad_batches": self.k_steps})',
+           "contribution = Contribution()",
+           (wiring("gradient_merge"), module("gradient_merge"), rows("amp+gradient_merge+recompute"))),
+    Mutant("gradient-merge-avg-inverted", "gradient_merge",
+           "GradientSum added when avg is true (average and sum swapped)",
+           "runner/strategies/gradient_merge.py", "        if not self.avg:\n", "        if self.avg:\n",
+           (wiring("gradient_merge"), module("gradient_merge"), rows("amp+gradient_merge+recompute"))),
+    # ------------------------------------------------------------------ lars
+    Mutant("lars-returns-original", "lars", "replace_optimizer returns the user's SGD instead of LARS",
+           "plugins/lars.py",
+           "    return replace_with(LARS, optimizer, model, exclude_from_weight_decay, accepted=accepted,\n"
+           '                        requirement="lars needs momentum SGD (torch.optim.SGD with momentum > 0)",\n'
+           '                        inherited=("lr", "momentum"), lars_coeff=lars_coeff, '
+           "lars_weight_decay=lars_weight_decay,\n"
+           "                        epsilon=epsilon)\n",
+           "    replace_with(LARS, optimizer, model, exclude_from_weight_decay, accepted=accepted,\n"
+           '                 requirement="lars needs momentum SGD (torch.optim.SGD with momentum > 0)",\n'
+           '                 inherited=("lr", "momentum"), lars_coeff=lars_coeff, lars_weight_decay=lars_weight_decay,\n'
+           "                 epsilon=epsilon)\n"
+           "    return optimizer\n",
+           (module("lars"), wiring("lars"), rows("lars+recompute", "amp+lars"))),
+    Mutant("lars-coeff-constant", "lars", "contribute() passes lars_coeff=0.001 instead of the knob",
+           "runner/strategies/lars.py",
+           'Component("plugins.lars:replace_optimizer", asdict(self))',
+           'Component("plugins.lars:replace_optimizer", {"lars_coeff": 0.001, "lars_weight_decay": '
+           'self.lars_weight_decay, "epsilon": self.epsilon, "exclude_from_weight_decay": '
+           "list(self.exclude_from_weight_decay)})",
+           (wiring("lars"), module("lars"), rows("lars+recompute", "amp+lars"))),
+    # ------------------------------------------------------------------ lamb
+    Mutant("lamb-returns-original", "lamb", "replace_optimizer returns the user's Adam/AdamW instead of LAMB",
+           "plugins/lamb.py",
+           "    return replace_with(LAMB, optimizer, model, exclude_from_weight_decay,\n"
+           "                        accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),\n"
+           '                        requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or '
+           'torch.optim.AdamW)",\n'
+           '                        inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay)\n',
+           "    replace_with(LAMB, optimizer, model, exclude_from_weight_decay,\n"
+           "                 accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),\n"
+           '                 requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW)",\n'
+           '                 inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay)\n'
+           "    return optimizer\n",
+           (module("lamb"), wiring("lamb"), rows("lamb+recompute", "amp+lamb"))),
+    Mutant("lamb-weight-decay-constant", "lamb", "contribute() passes lamb_weight_decay=0.01 instead of the knob",
+           "runner/strategies/lamb.py",
+           'Component("plugins.lamb:replace_optimizer", asdict(self))',
+           'Component("plugins.lamb:replace_optimizer", {"lamb_weight_decay": 0.01, '
+           '"exclude_from_weight_decay": list(self.exclude_from_weight_decay)})',
+           (wiring("lamb"), module("lamb"), rows("lamb+recompute", "amp+lamb"))),
+    Mutant("lamb-trust-ratio-one", "lamb", "trust ratio fixed at 1: LAMB steps as plain AdamW",
+           "plugins/lamb.py", "trust = torch.where((w_norms > 0) & (r_norms > 0), w_norms / r_norms, 1.0)",
+           "trust = torch.ones_like(w_norms)",
+           (module("lamb"), rows("lamb+recompute"))),
+    # ------------------------------------------------------------------ localsgd
+    Mutant("localsgd-never-averaged", "localsgd", "the averager's schedule is counted but parameters never averaged",
+           "plugins/localsgd.py",
+           "        averager.average_parameters(pl_module.parameters())\n        return averages\n",
+           "        return averages\n",
+           (module("localsgd"), wiring("localsgd and not adaptive"), rows("amp+localsgd"))),
+    Mutant("localsgd-k-steps-constant", "localsgd", "contribute() passes k_steps=1 instead of the knob",
+           "runner/strategies/localsgd.py",
+           'Component("plugins.localsgd:ModelAveraging", asdict(self))',
+           'Component("plugins.localsgd:ModelAveraging", {"k_steps": 1, "begin_step": self.begin_step})',
+           (wiring("localsgd and not adaptive"), module("localsgd"), rows("amp+localsgd"))),
+    # ------------------------------------------------------------------ adaptive_localsgd
+    Mutant("adaptive-localsgd-never-averaged", "adaptive_localsgd",
+           "the period is adapted but parameters never averaged",
+           "plugins/adaptive_localsgd.py",
+           "            average_parameters_or_parameter_groups(pl_module.parameters(), dist.group.WORLD)\n", "",
+           (module("adaptive_localsgd"), wiring("adaptive_localsgd"), rows("adaptive_localsgd+amp"))),
+    Mutant("adaptive-localsgd-broadcast", "adaptive_localsgd",
+           "averaging broadcasts rank 0's parameters instead of taking the mean",
+           "plugins/adaptive_localsgd.py",
+           "            average_parameters_or_parameter_groups(pl_module.parameters(), dist.group.WORLD)\n",
+           "            for parameter in pl_module.parameters():\n"
+           "                dist.broadcast(parameter.data, src=0)\n",
+           (module("adaptive_localsgd"), wiring("adaptive_localsgd"), rows("adaptive_localsgd+amp"))),
+    Mutant("adaptive-localsgd-init-k-constant", "adaptive_localsgd",
+           "contribute() passes init_k_steps=1 instead of the knob",
+           "runner/strategies/adaptive_localsgd.py",
+           'Component("plugins.adaptive_localsgd:AdaptiveModelAveraging", asdict(self))',
+           'Component("plugins.adaptive_localsgd:AdaptiveModelAveraging", '
+           '{"init_k_steps": 1, "begin_step": self.begin_step})',
+           (wiring("adaptive_localsgd"), module("adaptive_localsgd"), rows("adaptive_localsgd+amp"))),
+    # ------------------------------------------------------------------ dgc
+    Mutant("dgc-dense", "dgc", "top-k keeps the sparsity fraction instead of 1 - sparsity: nearly dense",
+           "plugins/dgc_compression.py",
+           "return min(numel, max(1, math.ceil(round(numel * (1.0 - sparsity), 6))))",
+           "return min(numel, max(1, math.ceil(round(numel * sparsity, 6))))",
+           (module("dgc"), wiring("dgc"), rows("dgc+recompute"))),
+    Mutant("dgc-padded-to-dense", "dgc", "values and indices padded to the bucket's size before all_gather",
+           "plugins/dgc.py",
+           "    indices = indices.to(index_dtype(v.numel()))\n",
+           "    indices = indices.to(index_dtype(v.numel()))\n"
+           "    values = torch.cat([values, values.new_zeros(v.numel() - values.numel())])\n"
+           "    indices = torch.cat([indices, indices.new_zeros(v.numel() - indices.numel())])\n",
+           (module("dgc"), wiring("dgc"), rows("dgc+recompute"))),
+    Mutant("dgc-sparsity-constant", "dgc", "contribute() passes sparsity=[0.999] instead of the knob",
+           "runner/strategies/dgc.py",
+           'comm_hook=Component("plugins.dgc:build_hook", asdict(self))',
+           'comm_hook=Component("plugins.dgc:build_hook", {"rampup_begin_step": self.rampup_begin_step, '
+           '"rampup_step": self.rampup_step, "sparsity": [0.999]})',
+           (wiring("dgc"), module("dgc"), rows("dgc+recompute"))),
+    Mutant("dgc-momentum-kept", "dgc", "the replacement SGD keeps the user's momentum: momentum applied twice",
+           "plugins/dgc.py",
+           'new_groups = [{**group, "params": list(group["params"]), "momentum": 0.0, "weight_decay": 0.0}',
+           'new_groups = [{**group, "params": list(group["params"]), "weight_decay": 0.0}',
+           (module("dgc"), rows("dgc+recompute"))),
+    # ------------------------------------------------------------------ fp16_allreduce
+    Mutant("fp16-allreduce-plain-hook", "fp16_allreduce", "float16 maps to torch's plain float32 allreduce hook",
+           "plugins/fp16_allreduce.py",
+           "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, "
+           "fp16_compress_hook\n\n\n"
+           'HOOKS = {"float16": fp16_compress_hook, "bfloat16": bf16_compress_hook}\n',
+           "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, bf16_compress_hook\n\n\n"
+           'HOOKS = {"float16": allreduce_hook, "bfloat16": bf16_compress_hook}\n',
+           (module("fp16_allreduce"), wiring("fp16_allreduce"))),
+    Mutant("fp16-allreduce-dtype-dropped", "fp16_allreduce", "contribute() passes no dtype: always float16",
+           "runner/strategies/fp16_allreduce.py",
+           'Component("plugins.fp16_allreduce:build_hook", asdict(self))',
+           'Component("plugins.fp16_allreduce:build_hook", {})',
+           (wiring("fp16_allreduce"), module("fp16_allreduce"))),
+    # ------------------------------------------------------------------ sharding
+    Mutant("sharding-stage3-as-stage2", "sharding", "fully_shard never reshards after forward: stage 3 acts as stage 2",
+           "plugins/sharding.py",
+           "options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,",
+           "options = dict(mesh=mesh, reshard_after_forward=False,",
+           (wiring("sharding"), module("sharding"), rows("amp+sharding"))),
+    Mutant("sharding-zero1-not-applied", "sharding", "stage 1 keeps the plain optimizer: no ZeRO state sharding",
+           "plugins/sharding.py",
+           "        super().setup_optimizers(trainer)\n"
+           '        shard_strategy_optimizers(self, self.device_mesh["dp_shard"].get_group())\n',
+           "        super().setup_optimizers(trainer)\n",
+           (wiring("sharding"), module("sharding"), rows("amp+sharding"))),
+    Mutant("sharding-hybrid-shard-dim-only", "sharding",
+           "FSDP on the dp_shard dim only: the dp_degree replicas never synchronise",
+           "plugins/sharding.py",
+           'dims = ("dp_replicate", "dp_shard") if strategy.layout.dp_replicate > 1 else ("dp_shard",)',
+           'dims = ("dp_shard",)',
+           (wiring("sharding"), module("sharding"), rows("amp+sharding"))),
+    Mutant("sharding-pipeline-zero1-off", "sharding", "with pipeline, the replicas' optimizer states are not sharded",
+           "runner/strategies/pipeline.py",
+           '"shard_optimizer_states": processes.dp_shard > 1}',
+           '"shard_optimizer_states": False}',
+           (wiring("sharding"), rows("pipeline+sharding"), module("pipeline"))),
+    # ------------------------------------------------------------------ pipeline
+    Mutant("pipeline-whole-model", "pipeline", "keep_only_stages not called: every rank keeps the whole model",
+           "plugins/pipeline.py",
+           "        keep_only_stages(model, [stage.submod for stage in (*self.stages, *self.eval_stages)])\n", "",
+           (module("pipeline"), wiring("pipeline"), rows("pipeline+recompute"))),
+    Mutant("pipeline-outside-autocast", "pipeline",
+           "the schedule runs outside train_step_context: bf16/fp16 stages compute in float32",
+           "plugins/pipeline.py",
+           "        with self.precision_plugin.train_step_context():\n"
+           "            loss = self._run(self.schedule.step, inputs, targets)\n",
+           "        loss = self._run(self.schedule.step, inputs, targets)\n",
+           (module("pipeline"), rows("amp+pipeline"), wiring("pipeline"))),
+    Mutant("pipeline-replicas-not-synced", "pipeline", "stages not wrapped in DDP: the data-parallel replicas drift",
+           "plugins/pipeline.py",
+           "        if self.layout.dp_shard > 1:\n"
+           "            for stage in self.stages:\n"
+           '                _replicate(stage, self.device_mesh["dp_shard"].get_group())\n',
+           "",
+           (module("pipeline"), rows("pipeline+sharding"))),
+    Mutant("pipeline-loss-not-scaled", "pipeline", "micro-batch losses not scaled by the float16 loss scaler",
+           "plugins/pipeline.py",
+           "return loss if scaler is None else scaler.scale(loss)", "return loss",
+           (module("pipeline"), rows("amp+pipeline"))),
+]
+
+
+def find_mutant_errors(root: Path, mutants: Iterable[Mutant]) -> Dict[str, str]:
+    """Mutant id -> why it cannot be planted in `root`'s files (its old text missing or ambiguous)."""
+    errors = {}
+    for mutant in mutants:
+        path = root / mutant.file
+        if not path.is_file():
+            errors[mutant.id] = f"{mutant.file} does not exist"
+            continue
+        count = path.read_text().count(mutant.old)
+        if count != 1:
+            where = "is missing from" if count == 0 else f"occurs {count} times in"
+            errors[mutant.id] = f"its old text {where} {mutant.file} (it must occur exactly once): {mutant.old!r}"
+    return errors
+
+
+def make_copy() -> Path:
+    copy = Path(tempfile.mkdtemp(prefix="lightfleet-mutations-"))
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in COPIED:
+        source = PROJECT_ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, copy / name, ignore=skip)
+        else:
+            shutil.copy2(source, copy / name)
+    return copy
+
+
+def copy_environment(copy: Path) -> Dict[str, str]:
+    # No bytecode: a mutant as long as the original, written within the same second, would
+    # otherwise run from the original's cached .pyc.
+    return {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def check_copy_is_imported(copy: Path, env: Dict[str, str]) -> None:
+    """A process started elsewhere (as the tests' subprocesses are) imports runner and plugins from the copy."""
+    where = "import plugins, runner; print(runner.__file__); print(plugins.__file__)"
+    done = subprocess.run([sys.executable, "-c", where], cwd=tempfile.gettempdir(), env=env, capture_output=True,
+                          text=True, check=True)
+    outside = [path for path in done.stdout.split() if not Path(path).resolve().is_relative_to(copy.resolve())]
+    if outside:
+        sys.exit(f"mutations.py: with PYTHONPATH={copy}, Python imports {outside} instead of the copy")
+
+
+@dataclass
+class StepResult:
+    args: Step
+    returncode: Optional[int]  # None: timed out
+    seconds: float
+    first_failure: str
+    output_tail: str
+
+
+FAILURE_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+SUMMARY = "short test summary info"
+
+
+def run_step(step: Step, copy: Path, env: Dict[str, str], timeout: float) -> StepResult:
+    """pytest on `step` in the copy; its own process group, killed whole on timeout (tests start ranks)."""
+    start = time.monotonic()
+    process = subprocess.Popen([sys.executable, *PYTEST, *step], cwd=copy, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=max(timeout, 1))
+        returncode: Optional[int] = process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        returncode = None
+    seconds = time.monotonic() - start
+    first_failure = ""
+    if returncode not in (0, 5, None):
+        match = FAILURE_LINE.search(output.rpartition(SUMMARY)[2])
+        last_line = next((line for line in reversed(output.splitlines()) if line.strip()), "")
+        first_failure = match.group(1) if match else f"pytest exit {returncode}: {last_line.strip()}"
+    return StepResult(step, returncode, round(seconds, 1), first_failure, output[-4000:])
+
+
+def verdict(steps: Sequence[StepResult]) -> Tuple[str, str]:
+    """(caught column, by column) from the steps run for one mutant, the last one deciding."""
+    last = steps[-1]
+    if last.returncode is None:
+        return "no (timeout)", "timed out in " + " ".join(last.args)
+    if last.returncode == 5:
+        return "no (nothing selected)", " ".join(last.args)
+    if last.returncode != 0:
+        return "yes", last.first_failure
+    return "no", ""
+
+
+def run_mutant(mutant: Mutant, copy: Path, env: Dict[str, str], timeout: float) -> Dict[str, object]:
+    path = copy / mutant.file
+    original = path.read_text()
+    path.write_text(original.replace(mutant.old, mutant.new, 1))
+    start = time.monotonic()
+    steps: List[StepResult] = []
+    try:
+        for step in mutant.selection:
+            steps.append(run_step(step, copy, env, timeout - (time.monotonic() - start)))
+            if steps[-1].returncode != 0:
+                break
+    finally:
+        path.write_text(original)
+    caught, by = verdict(steps)
+    return {"id": mutant.id, "strategy": mutant.strategy, "description": mutant.description, "file": mutant.file,
+            "caught": caught, "by": by, "seconds": round(time.monotonic() - start, 1),
+            "steps": [asdict(step) for step in steps]}
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def run_mutants(mutants: Sequence[Mutant], errors: Dict[str, str], copy: Path, env: Dict[str, str],
+                timeout: float, out: Path) -> bool:
+    results = [{"id": m.id, "strategy": m.strategy, "description": m.description, "file": m.file,
+                "caught": "refused", "by": errors[m.id], "seconds": 0.0, "steps": []}
+               for m in mutants if m.id in errors]
+    out.write_text(json.dumps({"mode": "mutants", "results": results}, indent=1))
+    for mutant in (m for m in mutants if m.id not in errors):
+        print(f"mutant {mutant.id} ...", file=sys.stderr, flush=True)
+        results.append(run_mutant(mutant, copy, env, timeout))
+        print(f"  caught: {results[-1]['caught']} {results[-1]['by']} ({results[-1]['seconds']} s)",
+              file=sys.stderr, flush=True)
+        out.write_text(json.dumps({"mode": "mutants", "results": results}, indent=1))
+    print(markdown_table(["id", "strategy", "bug", "caught", "by", "seconds"],
+                         ([r["id"], r["strategy"], r["description"], r["caught"], r["by"], r["seconds"]]
+                          for r in results)))
+    return all(r["caught"] == "yes" for r in results)
+
+
+def run_baseline(mutants: Sequence[Mutant], copy: Path, env: Dict[str, str], timeout: float, out: Path) -> bool:
+    """Each distinct selection step of `mutants`, once, on the unmutated copy."""
+    steps = list(dict.fromkeys(step for mutant in mutants for step in mutant.selection))
+    results = []
+    for step in steps:
+        print(f"baseline {' '.join(step)} ...", file=sys.stderr, flush=True)
+        results.append(run_step(step, copy, env, timeout))
+        print(f"  exit {results[-1].returncode} {results[-1].first_failure} ({results[-1].seconds} s)",
+              file=sys.stderr, flush=True)
+        out.write_text(json.dumps({"mode": "baseline", "results": [asdict(r) for r in results]}, indent=1))
+    status = {None: "timeout", 0: "passes", 5: "selects nothing"}
+    print(markdown_table(["selection", "result", "first failure", "seconds", "mutants"],
+                         ([" ".join(r.args), status.get(r.returncode, "FAILS"), r.first_failure, r.seconds,
+                           ", ".join(m.id for m in mutants if r.args in m.selection)] for r in results)))
+    return all(r.returncode == 0 for r in results)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ids", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and whether each applies")
+    parser.add_argument("--baseline", action="store_true",
+                        help="run the mutants' selections on the unmutated copy; report failing ones")
+    parser.add_argument("--out", type=Path, help="JSON results (default tests/mutations.json, "
+                                                 "tests/mutations_baseline.json with --baseline)")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per mutant (default %(default)s)")
+    args = parser.parse_args(argv)
+
+    by_id = {mutant.id: mutant for mutant in MUTANTS}
+    unknown = [i for i in args.ids if i not in by_id]
+    if unknown:
+        parser.error(f"unknown mutant(s) {', '.join(unknown)}; see --list")
+    mutants = [by_id[i] for i in args.ids] if args.ids else MUTANTS
+    if args.list:
+        errors = find_mutant_errors(PROJECT_ROOT, mutants)
+        print(markdown_table(["id", "strategy", "bug", "file", "applies"],
+                             ([m.id, m.strategy, m.description, m.file, errors.get(m.id, "yes")] for m in mutants)))
+        return 1 if errors else 0
+
+    out = args.out or PROJECT_ROOT / "tests" / ("mutations_baseline.json" if args.baseline else "mutations.json")
+    copy = make_copy()
+    try:
+        env = copy_environment(copy)
+        check_copy_is_imported(copy, env)
+        if args.baseline:
+            ok = run_baseline(mutants, copy, env, args.timeout, out)
+        else:
+            errors = find_mutant_errors(copy, mutants)
+            for mutant_id, error in errors.items():
+                print(f"mutations.py: refusing mutant {mutant_id}: {error}", file=sys.stderr)
+            ok = run_mutants(mutants, errors, copy, env, args.timeout, out)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    print(f"results: {out}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Callbacks the tests put into real `lightfleet` runs, as a user adds a callback from the command
+line (`+callbacks.probe._target_=probe.Wiring ...`), to see from inside every rank what the
+strategies' plugins received and what they did. tests/ and tests/plugins are on the runs'
+PYTHONPATH (tests/conftest.py), so a probe can read the strategies' own test modules.
+
+- `Wiring`: each knob as the object carrying it out sees it (`WIRING` of tests/plugins/test_<name>.py).
+- `Effects`: what every strategy is known for, observed alike in every run (`EFFECT` of the same).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.tensor import DTensor
+
+Reader = Callable[[pl.Trainer, pl.LightningModule], Any]
+
+
+@dataclass
+class Knob:
+    """A knob set to `value` on the command line, and how to read it off the objects of a run."""
+
+    value: Any
+    read: Reader
+    expected: Any = None  # what `read` must return, when it is not `value` itself
+
+    def override(self, strategy: str, name: str) -> str:
+        text = json.dumps(self.value) if not isinstance(self.value, str) else self.value
+        return f"strategy.{strategy}.{name}={text.replace(' ', '')}"
+
+
+@dataclass
+class WiringCase:
+    """Non-default knobs of one strategy, set together in one run with `overrides`."""
+
+    knobs: Dict[str, Knob]
+    overrides: List[str] = field(default_factory=list)
+
+
+def strategy_tests(name: str) -> Any:
+    """tests/plugins/test_<name>.py, the strategy's test module."""
+    return importlib.import_module(f"test_{name}")
+
+
+class Wiring(pl.Callback):
+    """After the first training batch, rank 0 writes what the readers of `WIRING[case]` of the
+    strategy's test module see into wiring.json in the run directory."""
+
+    def __init__(self, strategy: str, case: int) -> None:
+        self.strategy, self.case = strategy, case
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx or not trainer.is_global_zero:
+            return
+        knobs = strategy_tests(self.strategy).WIRING[self.case].knobs
+        seen = {name: knob.read(trainer, pl_module) for name, knob in knobs.items()}
+        Path(trainer.default_root_dir, "wiring.json").write_text(json.dumps(seen))
+
+
+class Effects(pl.Callback):
+    """What each rank does, for the strategies' `row_effect` checks: per training batch, the
+    dtypes modules compute in, the forward calls of recompute's wrapped modules and the
+    collectives handed to all_gather / all_reduce (op, dtype, bytes); before every batch and at
+    the end, the state: global step, optimizer class and how many parameters its state covers,
+    a checksum of the parameters, logged metrics. Saved as effects.rank<r>.pt in the run directory."""
+
+    def __init__(self) -> None:
+        self.static: Dict[str, Any] = {}
+        self.batches: List[Dict[str, Any]] = []
+        self.states: List[Dict[str, Any]] = []  # states[i]: after i training batches
+        self._open: Optional[Dict[str, Any]] = None  # the batch running now (not validation between batches)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for name in ("all_gather", "all_reduce"):
+            real = getattr(dist, name)
+
+            def spy(*args: Any, _name: str = name, _real: Callable = real, **kwargs: Any) -> Any:
+                tensor = args[1] if _name == "all_gather" else args[0]  # what this rank sends
+                if self._open is not None:
+                    self._open["collectives"].append((_name, str(tensor.dtype), tensor.numel() * tensor.element_size()))
+                return _real(*args, **kwargs)
+
+            setattr(dist, name, spy)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        modules = list(pl_module.modules())
+        for stage in getattr(trainer.strategy, "stages", []):  # pipeline: the traced stages run, not the model
+            modules += list(stage.submod.modules())
+        for module in modules:
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_hook(self._output_dtype)
+            if isinstance(module, CheckpointWrapper):
+                # A pre-hook: the recomputation in backward stops as soon as it has what backward needs.
+                module._checkpoint_wrapped_module.register_forward_pre_hook(self._wrapped_forward)
+        self.static = {"parameters": [name for name, _ in pl_module.named_parameters()],
+                       "numel": sum(_local(p).numel() for p in pl_module.parameters()),
+                       "global_numel": sum(p.numel() for p in pl_module.parameters()),
+                       "wrapped": sum(isinstance(m, CheckpointWrapper) for m in modules),
+                       "micro_batches": getattr(trainer.strategy, "accumulate_steps", 1)}
+
+    def _output_dtype(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._open is not None and isinstance(output, torch.Tensor) and output.is_floating_point():
+            self._open["dtypes"].add(str(output.dtype))
+
+    def _wrapped_forward(self, module: nn.Module, args: Any) -> None:
+        if self._open is not None:
+            self._open["wrapped_forwards"] += 1
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.states.append(self._state(trainer, pl_module))
+        self._open = {"dtypes": set(), "wrapped_forwards": 0, "collectives": []}
+        self.batches.append(self._open)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._open = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.states.append(self._state(trainer, pl_module))
+        torch.save({"static": self.static, "batches": self.batches, "states": self.states},
+                   Path(trainer.default_root_dir) / f"effects.rank{trainer.global_rank}.pt")
+
+    @staticmethod
+    def _state(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Dict[str, Any]:
+        optimizer = trainer.optimizers[0]
+        local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
+        with torch.no_grad():
+            checksum = sum(float(_local(p).double().sum()) for p in pl_module.parameters())
+        return {"global_step": trainer.global_step, "optimizer": type(local).__name__,
+                "optimizer_state": len(local.state), "checksum": checksum,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class FirstStep(pl.Callback):
+    """Rank 0 saves, as first_step.pt in the run directory: the parameters training starts from,
+    the batches of the first optimizer step, and the gradients that step applies."""
+
+    def __init__(self) -> None:
+        self.record: Dict[str, Any] = {"batches": []}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.record["initial"] = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if "grads" not in self.record:
+            self.record["batches"].append([t.clone() for t in batch])
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if "grads" not in self.record and trainer.is_global_zero:
+            self.record["grads"] = {name: p.grad.clone() for name, p in pl_module.named_parameters()}
+            torch.save(self.record, Path(trainer.default_root_dir) / "first_step.pt")
