@@ -150,7 +150,8 @@ def replace_optimizers(model: pl.LightningModule, replace: Callable[[Optimizer],
 
 
 def loggers(cfg: DictConfig) -> List[Any]:
-    """The configured loggers; one whose package is not installed (TensorBoard) is skipped."""
+    """The configured loggers. One whose package is not installed is bad input, never skipped:
+    Lightning's message names the package and how to install it."""
     built = []
     for name, node in cfg.logger.items():
         if not node:
@@ -158,7 +159,7 @@ def loggers(cfg: DictConfig) -> List[Any]:
         try:
             built.append(instantiate_checked(f"logger.{name}", node))
         except InstantiationException as error:
-            if not isinstance(error.__cause__, ModuleNotFoundError):
+            if not isinstance(error.__cause__, ImportError):
                 raise
-            rank_zero_info(f"lightfleet: logger.{name} skipped: {error.__cause__}")
+            raise ConfigError(f"logger.{name}", None, f"its package is not installed: {error.__cause__}") from None
     return built

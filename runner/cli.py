@@ -1,170 +1,188 @@
-"""The `lightfleet` command: compose -> schema -> compatibility -> plan -> dry run | record -> launch.
+"""The `lightfleet` command: a Hydra application (every Hydra flag, `hydra.*` key, launcher and
+sweeper plugin works as Hydra documents it), with lightfleet's checks in front of it.
 
-Bad input (a typo, a wrong type, an out-of-range value, a forbidden combination) ends with one
-line on stderr and exit status 2, before any run directory is made, any process starts, or
-torch is imported. A plain `strategy=[...]` on the command line is checked against the table
-before Hydra is even imported, so a refusal costs a fraction of a second.
+Bad input (a typo, a wrong type, an out-of-range value, a forbidden combination, an unknown
+`+key`) ends with one line on stderr and exit status 2 before Hydra makes any directory, any
+process starts or torch is imported: a plain `strategy=[...]` is checked against the table
+before Hydra is even imported, then the command composes the config as Hydra will and checks it
+(every job of a basic sweep too). Only then does Hydra run the job(s) (runner/job.py) in the
+directory the command reserved.
 """
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-from runner import strategies
-from runner.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table, strategies_from_argv
+from runner.compat import check, load_table, strategies_from_argv
 from runner.errors import ConfigError, Refusal, exit_on_user_error
 
-USAGE = """\
-usage: lightfleet [-m] [--cfg] [KEY=VALUE | GROUP=OPTION ...]
+if TYPE_CHECKING:  # Hydra, OmegaConf and the config layer are imported only once the table allows the run
+    from omegaconf import DictConfig
 
-Compose a config from conf/ (and experiments/), check it, plan it and train it with PyTorch Lightning.
+    from runner.config import RunSpec
+    from runner.plan import Plan
 
-  lightfleet                                   default run: MLP on a synthetic task, one CPU process
-  lightfleet experiment=quickstart             an experiment from experiments/
-  lightfleet 'strategy=[amp,recompute]'        strategies, as a list
-  lightfleet strategy.amp.init_loss_scaling=128 trainer.devices=2   knobs and Trainer arguments
-  lightfleet dry_run=true 'strategy=[amp]'     print the plan, train nothing
-  lightfleet -m 'strategy=[amp],[amp,recompute]' trainer.devices=2  a sweep: one job per combination
-  lightfleet -m 'experiment=glob(*)'           every experiment
-
-options:
-  -m, --multirun   run every combination of the swept overrides (a=1,2  glob(*)  range(1,4))
-  --cfg            print the composed config and exit
-  -h, --help       this help
-
-config groups (GROUP=OPTION):
-{groups}
-strategies available: {strategies}
-experiments: {experiments}
-"""
+# Hydra's flags that show something and run nothing (see `lightfleet --hydra-help`).
+SHOW_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    # `_target_`s name the user's own modules, found from where lightfleet runs (as with `python -m`).
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    if "-h" in args or "--help" in args:
-        print(usage())
-        return 0
-    multirun = _pop_flag(args, "-m", "--multirun")
-    print_config = _pop_flag(args, "--cfg")
+    if "--verbose" in args:  # the short form of Hydra's own switch
+        args = [arg for arg in args if arg != "--verbose"] + ["hydra.verbose=true"]
+    # `_target_`s name the user's own modules, found from where lightfleet runs (as with
+    # `python -m`): in this process, its rank processes and launcher workers, after hydra.job.chdir too.
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
     with exit_on_user_error():
-        selected = None if multirun else strategies_from_argv(args)
-        if selected is not None:  # the command line's list wins over any experiment's: decide now
-            check(selected, load_table())
-        if print_config:
-            from omegaconf import OmegaConf
+        if not {"-m", "--multirun", *SHOW_FLAGS} & set(args):
+            selected = strategies_from_argv(args)
+            if selected is not None:  # the command line's list wins over any experiment's: decide now
+                check(selected, load_table())
+        return run_app(args)
 
-            from runner.config import compose_config
 
-            print(OmegaConf.to_yaml(compose_config(args)))
+def run_app(args: List[str]) -> int:
+    from hydra._internal.utils import _run_hydra, get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from runner.compat import CONF_DIR
+    from runner.config import CONFIG_NAME, compose_config
+    from runner.job import run_job
+
+    parser = get_args_parser()
+    parser.prog = "lightfleet"
+    parsed = parser.parse_args(args)
+    parsed.config_dir, parsed.config_path = user_config_dir(parsed.config_dir, parsed.config_path), None
+    config_name = parsed.config_name or CONFIG_NAME
+    shows = parsed.help or parsed.cfg or parsed.info or parsed.hydra_help or parsed.shell_completion
+    sweep_dir = None
+    if not shows:
+        check_job = check_sweep if parsed.multirun else check_run
+        reserved = check_job(parsed.overrides, parsed.config_dir, config_name)
+        if reserved is None:  # a dry run: the plans are printed
             return 0
-        return run_sweep(args) if multirun else run_single(args)
+        directory, pointers = reserved
+        parsed.overrides += pointers
+        sweep_dir = directory if parsed.multirun else None
+    elif not (parsed.hydra_help or parsed.shell_completion):
+        compose_config(parsed.overrides, parsed.config_dir, config_name, RunMode.RUN)  # errors in one line
+    GlobalHydra.instance().clear()
+    _run_hydra(args=parsed, args_parser=parser, task_function=run_job, config_path=str(CONF_DIR),
+               config_name=config_name)
+    return summarize_sweep(sweep_dir) if sweep_dir is not None else 0
 
 
-def usage() -> str:
-    groups = "\n".join(f"  {d.name:<10} {', '.join(sorted(p.stem for p in d.glob('*.yaml')))}"
-                       for d in sorted(CONF_DIR.iterdir()) if d.is_dir())
-    return USAGE.format(groups=groups, strategies=", ".join(strategies.names()),
-                        experiments=", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))))
+def user_config_dir(config_dir: Optional[str], config_path: Optional[str]) -> Optional[str]:
+    """The user's config directory, absolute. `-cp DIR` is taken as `-cd DIR`: lightfleet's conf/
+    stays on the search path, so a primary config there (`-cn NAME`) can start from lightfleet's
+    (`defaults: [lightfleet, _self_]`)."""
+    if config_dir is not None and config_path is not None:
+        raise ConfigError("--config-path", config_path, "give --config-dir or --config-path, not both: "
+                          "each adds one directory before lightfleet's configs")
+    chosen = config_dir if config_path is None else config_path
+    if chosen is None:
+        return None
+    path = Path(chosen).expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigError("--config-dir" if config_path is None else "--config-path", chosen, "no such directory")
+    return str(path)
 
 
-def prepare(overrides: Sequence[str]):
-    """Compose, validate, check against the table and plan: pure Python, no torch. The one
-    place plans are made; every rank reads the plan this saves."""
-    from runner.config import compose_config, validate
-    from runner.plan import make_plan
-    from runner.world import World, check_multi_node
-
-    spec = validate(compose_config(overrides))
-    check(list(spec.strategies), load_table())
-    plan = make_plan(spec.strategies, spec.trainer, spec.batch_size)
-    check_multi_node(World(**plan.world))
-    return spec, plan
+Reserved = Optional[Tuple[Path, List[str]]]  # a directory, and the overrides that point Hydra there
 
 
-def run_single(overrides: Sequence[str]) -> int:
+def check_run(overrides: List[str], config_dir: Optional[str], config_name: str) -> Reserved:
+    """Compose and check the run; print the plan of a dry run (None), or reserve its directory."""
+    from runner.config import compose_config
     from runner.plan import format_plan
-
-    spec, plan = prepare(overrides)
-    if spec.cfg.dry_run:
-        print(format_plan(plan))
-        return 0
-    return launch(spec, plan, overrides)
-
-
-def launch(spec, plan, overrides: Sequence[str]) -> int:
-    """Record the run directory and train; a failed rank becomes one line naming its log."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from runner import launch as launcher
-    from runner.plan import format_plan
-    from runner.records import create_run_dir
+    from runner.records import records_subdir, reserve_dir
     from runner.world import World
 
-    records = create_run_dir(spec.cfg, plan, overrides)
-    print(f"{format_plan(plan)}\nlightfleet: run directory {spec.cfg.paths.output_dir}", flush=True)
-    try:
-        launcher.run(records, World(**plan.world))
-    except ChildFailedError as failure:
-        codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
-        print(f"lightfleet: run failed: exit status by rank {codes}; logs in {records / 'logs'}", file=sys.stderr)
-        # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
-        return 2 if 2 in codes.values() else 1
-    return 0
+    cfg = compose_config(overrides, config_dir, config_name, with_hydra=True)
+    spec, plan = composed_job(cfg)
+    if spec.cfg.dry_run:
+        print(format_plan(plan))
+        return None
+    subdir = records_subdir(World(**plan.world))
+    run_dir = reserve_dir(cfg, "hydra.run.dir", "paths.output_dir", subdir)
+    return run_dir, [hydra_override("hydra.run.dir", run_dir / subdir)]
 
 
-def run_sweep(overrides: Sequence[str]) -> int:
-    """Expand the sweep, check every job first (refusals reported together and skipped), then
-    run the others one after another, each in its own directory under paths.sweep_dir."""
-    from runner.config import expand_sweep
+def check_sweep(overrides: List[str], config_dir: Optional[str], config_name: str) -> Reserved:
+    """Check every job of a basic sweep first. A job Hydra cannot compose (an unknown option)
+    refuses the sweep: Hydra's launcher would stop at it mid-sweep. Jobs the table or the schema
+    refuse are reported together and skipped (Hydra still launches them; each stops at once); a
+    sweep none of whose jobs can run is refused. Other sweepers (Optuna) choose their jobs as they
+    go: the config without the swept keys is checked, and each job checks itself.
+    Reserves the sweep directory (None: a dry run, whose plans are printed)."""
+    from hydra.types import RunMode
+
+    from runner.config import compose_config, expand_sweep
     from runner.plan import format_plan
+    from runner.records import reserve_dir
+
+    cfg = compose_config(overrides, config_dir, config_name, RunMode.MULTIRUN, with_hydra=True)
+    if cfg.hydra.sweeper._target_ != "hydra._internal.core_plugins.basic_sweeper.BasicSweeper":
+        plans = [(0, overrides, *composed_job(cfg))]
+    else:
+        plans = []
+        for number, job in enumerate(expand_sweep(overrides, config_dir)):
+            shown = " ".join(o for o in job if not o.lstrip("+~").startswith("hydra"))  # as the job prints them
+            cfg_of_job = compose_config(job, config_dir, config_name, with_hydra=True)  # Hydra would stop here
+            try:
+                plans.append((number, job, *composed_job(cfg_of_job)))
+            except (ConfigError, Refusal) as problem:
+                print(f"lightfleet: job {number} ({shown}) skipped: {problem}", file=sys.stderr)
+        if not plans:
+            raise Refusal("no job of the sweep can run")
+    if plans[0][2].cfg.dry_run:
+        for number, job, _, plan in plans:
+            print(f"--- job {number}: {' '.join(job)}\n{format_plan(plan)}")
+        return None
+    sweep_dir = reserve_dir(cfg, "hydra.sweep.dir", "paths.sweep_dir")
+    return sweep_dir, [hydra_override("hydra.sweep.dir", sweep_dir)]
+
+
+def composed_job(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
+    """The checked spec and plan of the job of `cfg`, a config as Hydra composes it (with its `hydra` node)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from runner.job import prepare
+
+    HydraConfig.instance().set_config(cfg)  # `${hydra:...}` resolves as it will in the job
+    job_cfg = cfg.copy()
+    with open_dict(job_cfg):
+        del job_cfg["hydra"]
+    return prepare(job_cfg)
+
+
+def hydra_override(key: str, path: Path) -> str:
+    """`key='path'` in Hydra's override syntax (quoted: a path may hold `=`, `,` or spaces)."""
+    return "%s='%s'" % (key, str(path).replace("'", "\\'"))
+
+
+def summarize_sweep(sweep_dir: Path) -> int:
+    """Write sweep.yaml (each job's overrides and whether it finished) and return the sweep's exit
+    status: 1 when a job that started did not finish."""
+    import yaml
+
     from runner.records import write_yaml
 
-    jobs = expand_sweep(overrides)
-    ready: List[Tuple[int, List[str], object, object]] = []
-    for number, job in enumerate(jobs):
-        try:
-            spec, plan = prepare(job)
-        except (ConfigError, Refusal) as problem:
-            print(f"lightfleet: job {number} ({' '.join(job)}) skipped: {problem}", file=sys.stderr)
-            continue
-        ready.append((number, job, spec, plan))
-    if not ready:
-        print("lightfleet: refused: no job of the sweep can run", file=sys.stderr)
-        return 2
-    from runner.records import fresh_dir, named_by_clock
-
-    first = ready[0][2].cfg
-    sweep_dir = Path(first.paths.sweep_dir).expanduser().resolve()
-    if named_by_clock(first.paths, "sweep_dir") and not first.dry_run:
-        sweep_dir = fresh_dir(sweep_dir)
-    status = {}
-    for number, job, spec, plan in ready:
-        if spec.cfg.dry_run:
-            print(f"--- job {number}: {' '.join(job)}\n{format_plan(plan)}")
-            continue
-        spec.cfg.paths.output_dir = str(sweep_dir / str(number))
-        print(f"lightfleet: job {number} of {len(jobs)}: {' '.join(job)}", flush=True)
-        try:
-            code = launch(spec, plan, job)
-        except ConfigError as error:  # e.g. a module name only the built model can reject
-            print(f"lightfleet: job {number} error: {error}", file=sys.stderr)
-            code = 2
-        status[number] = {"overrides": job, "exit_status": code}
-    if status:
-        write_yaml(sweep_dir / "multirun.yaml", {"jobs": len(jobs), "ran": status})
-    return 1 if any(s["exit_status"] for s in status.values()) else 0
-
-
-def _pop_flag(args: List[str], *names: str) -> bool:
-    found = [a for a in args if a in names]
-    for a in found:
-        args.remove(a)
-    return bool(found)
+    jobs = {}
+    for hydra_dir in sorted(sweep_dir.rglob(".hydra/overrides.yaml")):
+        job = hydra_dir.parent.parent
+        if (job / "config.yaml").is_file():
+            jobs[str(job.relative_to(sweep_dir))] = {
+                "overrides": yaml.safe_load(hydra_dir.read_text()),
+                "status": "finished" if (job / "results.yaml").is_file() else "failed"}
+    write_yaml(sweep_dir / "sweep.yaml", {"jobs": jobs})
+    return 1 if any(job["status"] == "failed" for job in jobs.values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Compose a run's config with Hydra and check it against the schema.
 
-Experiments live in experiments/ (beside conf/) and are registered as the `experiment` config
-group in Hydra's ConfigStore, so `experiment=glob(*)` sees them (a `hydra.searchpath` entry would
-not: Hydra #1942). Every Hydra/OmegaConf failure becomes a one-line ConfigError naming the key.
+The command and the tests compose through one Hydra object (`load_hydra`): conf/ as the primary
+config directory, a user's `--config-dir` after it, then the ConfigStore, where the schema and the
+experiments of experiments/ live (the `experiment` group; a `hydra.searchpath` entry would be
+missed by `glob(*)`: Hydra #1942). Every Hydra/OmegaConf failure becomes a one-line ConfigError
+naming the key, with the options of every search-path entry for "did you mean".
 """
 from __future__ import annotations
 
@@ -10,18 +12,25 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from hydra import compose, initialize_config_dir
+from hydra import version
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_automatic_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import schema, strategies
 from runner.compat import CONF_DIR, EXPERIMENTS_DIR
 from runner.errors import ConfigError, Refusal
+
+CONFIG_NAME = "config"  # conf/config.yaml; also stored as `lightfleet` for users' primary configs
+TASK_NAME = "lightfleet"
 
 
 @dataclass
@@ -39,24 +48,44 @@ class RunSpec:
         return value if isinstance(value, int) else None
 
 
-def _register_configs() -> None:
-    """The schema as the base of conf/config.yaml, and each experiment as a config option."""
+def register_configs() -> None:
+    """The schema as the base of conf/config.yaml, each experiment as a config option, and
+    lightfleet's primary config as `lightfleet`, so a user's own primary config can start from it."""
+    version.setbase("1.3")
     store = ConfigStore.instance()
     store.store(name="lightfleet_schema", node=schema.RunConfig)
+    store.store(name="lightfleet", node=OmegaConf.load(CONF_DIR / f"{CONFIG_NAME}.yaml"))
     for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
         store.store(group="experiment", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
-def _initialized() -> None:
-    if not GlobalHydra.instance().is_initialized():
-        _register_configs()
-        initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="lightfleet")
+def search_path(config_dir: Optional[str] = None):
+    """Hydra's search path for lightfleet: conf/ first, then `config_dir` (as `--config-dir` adds it)."""
+    path = create_automatic_config_search_path(None, None, str(CONF_DIR))
+    if config_dir is not None:
+        path.prepend(provider="command-line", path=f"file://{config_dir}", anchor=SearchPathQuery(provider="schema"))
+    return path
 
 
-def compose_config(overrides: Sequence[str]) -> DictConfig:
-    _initialized()
+_loaded_for: List[Optional[str]] = []  # the config dir the global Hydra object was made for
+
+
+def load_hydra(config_dir: Optional[str] = None) -> Hydra:
+    """The global Hydra object over `search_path(config_dir)`, made once per config dir."""
+    if not (GlobalHydra.instance().is_initialized() and _loaded_for == [config_dir]):
+        GlobalHydra.instance().clear()
+        register_configs()
+        Hydra.create_main_hydra2(task_name=TASK_NAME, config_search_path=search_path(config_dir))
+        _loaded_for[:] = [config_dir]
+    return GlobalHydra.instance().hydra
+
+
+def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, config_name: str = CONFIG_NAME,
+                   run_mode: RunMode = RunMode.RUN, with_hydra: bool = False) -> DictConfig:
+    """The config Hydra composes for `overrides` (with its `hydra` node when `with_hydra`)."""
+    hydra = load_hydra(config_dir)
     try:
-        return compose(config_name="config", overrides=list(overrides))
+        cfg = hydra.compose_config(config_name, list(overrides), run_mode=run_mode)
     except MissingConfigException as error:
         raise _missing(error, overrides) from None
     except (HydraException, OmegaConfBaseException) as error:
@@ -69,6 +98,15 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
         if not knobs:
             raise
         raise _not_selected(knobs[0]) from None
+    if not with_hydra:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
+
+
+def group_options(group: str) -> List[str]:
+    """The options of a config group over the whole search path (conf/, a user's dir, the store)."""
+    return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
 
 
 def _not_selected(knob: str) -> Exception:
@@ -79,12 +117,11 @@ def _not_selected(knob: str) -> Exception:
     return ConfigError(knob, None, f"strategy {name} is not selected; add it to strategy=[...] to set its knobs")
 
 
-def expand_sweep(overrides: Sequence[str]) -> List[List[str]]:
+def expand_sweep(overrides: Sequence[str], config_dir: Optional[str] = None) -> List[List[str]]:
     """The jobs of a `-m` sweep: the cartesian product of every swept override (Hydra's syntax:
     `a=1,2`, `glob(*)`, `range(...)`, `choice(...)`)."""
-    _initialized()
     try:
-        parsed = OverridesParser.create(GlobalHydra.instance().config_loader()).parse_overrides(list(overrides))
+        parsed = OverridesParser.create(load_hydra(config_dir).config_loader).parse_overrides(list(overrides))
         (jobs,) = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     except HydraException as error:
         raise ConfigError("overrides", " ".join(overrides), _first_line(error)) from None
@@ -95,7 +132,10 @@ def validate(cfg: DictConfig) -> RunSpec:
     """Merge the composed config onto the schema; build each selected strategy's dataclass (its
     __post_init__ checks ranges)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), cfg)
+        # Through a plain container: merged as it comes from Hydra (typed RunConfig already), a key
+        # added with `+key=` would pass the schema unseen.
+        plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), plain)
         strategies = {name: OmegaConf.to_object(node) for name, node in merged.strategy.items() if node is not None}
         trainer = OmegaConf.to_object(merged.trainer)
     except OmegaConfBaseException as error:
@@ -118,8 +158,7 @@ def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Excepti
             check([option], load_table())
         except (ConfigError, Refusal) as refusal:
             return refusal
-    folder = EXPERIMENTS_DIR if group_name == "experiment" else CONF_DIR / group_name
-    options = sorted(p.stem for p in folder.glob("*.yaml"))
+    options = group_options(group_name)
     return ConfigError(group_name, option, f"no such option; choose from: {', '.join(options)}", options)
 
 

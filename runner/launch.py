@@ -15,6 +15,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from runner.errors import ConfigError
 from runner.world import World, launched_externally
 
 
@@ -24,6 +25,22 @@ def processes_per_node(world: World) -> int:
 
         return max(torch.cuda.device_count(), 1)
     return world.devices
+
+
+def check_devices(accelerator: str, world: World) -> None:
+    """Refuse asking for more GPUs than this machine's CUDA sees, before any process starts (a
+    launcher or scheduler that places the job itself is trusted)."""
+    if launched_externally():
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    has = f"this machine has {gpus} CUDA device(s)" if gpus else "this machine has no CUDA device"
+    if accelerator in ("gpu", "cuda") and not gpus:
+        raise ConfigError("trainer.accelerator", accelerator, f"{has}; use cpu or auto")
+    on_gpus = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus)
+    if on_gpus and isinstance(world.devices, int) and world.devices > gpus:
+        raise ConfigError("trainer.devices", world.devices, f"{has}; ask for at most {gpus} per node")
 
 
 def run(records: Path, world: World) -> None:

@@ -121,27 +121,28 @@ def _claim_trainer_args(plan: Plan, name: str, trainer_args: Dict[str, Any], tra
 
 
 def format_plan(plan: Plan) -> str:
-    """Human-readable plan: one line per decision, each with the strategy that asked for it."""
+    """Human-readable plan: one line per decision that is switched on, each with the strategy
+    that asked for it (plan.yaml holds the whole plan)."""
     world = plan.world
     lines = [f"strategies: {', '.join(plan.strategies) or '(none)'}",
              f"world: {world['world_size']} process(es) = {world['devices']} per node x {world['num_nodes']} node(s)"]
 
-    def describe(claim: Optional[Claim], default: str) -> str:
-        if claim is None:
-            return default
+    def describe(claim: Claim) -> str:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in claim.component.kwargs.items())
         return f"{claim.component.target}({kwargs})  <- {claim.by}"
 
-    lines.append(f"precision: {describe(plan.precision, '32-true (default)')}")
-    lines.append(f"lightning strategy: {describe(plan.lightning_strategy, 'single device (default)')}")
-    lines.append(f"optimizer replacement: {describe(plan.optimizer, 'none: the model configures its own')}")
-    lines.append(f"gradient communication hook: {describe(plan.comm_hook, 'none')}")
-    lines.append("model transforms (in order, in the model's configure_model):"
-                 + ("" if plan.model_transforms else " none"))
-    lines += [f"  {i}. [{c.phase}] {describe(c, '')}" for i, c in enumerate(plan.model_transforms, 1)]
-    lines.append("trainer arguments:" + ("" if plan.trainer_args else " none beyond trainer.*"))
-    lines += [f"  {arg}={v['value']!r}  <- {v['by']}" for arg, v in plan.trainer_args.items()]
-    lines.append("callbacks:" + ("" if plan.callbacks else " none beyond callbacks.*"))
-    lines += [f"  {describe(c, '')}" for c in plan.callbacks]
+    for slot, claim in (("precision", plan.precision), ("lightning strategy", plan.lightning_strategy),
+                        ("optimizer replacement", plan.optimizer), ("gradient communication hook", plan.comm_hook)):
+        if claim is not None:
+            lines.append(f"{slot}: {describe(claim)}")
+    if plan.model_transforms:
+        lines.append("model transforms (in order, in the model's configure_model):")
+        lines += [f"  {i}. [{c.phase}] {describe(c)}" for i, c in enumerate(plan.model_transforms, 1)]
+    if plan.trainer_args:
+        lines.append("trainer arguments:")
+        lines += [f"  {arg}={v['value']!r}  <- {v['by']}" for arg, v in plan.trainer_args.items()]
+    if plan.callbacks:
+        lines.append("callbacks:")
+        lines += [f"  {describe(c)}" for c in plan.callbacks]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)

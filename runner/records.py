@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -25,28 +26,37 @@ from runner.plan import Plan, format_plan
 from runner.world import World, launched_externally
 
 
-def create_run_dir(cfg: DictConfig, plan: Plan, overrides: Sequence[str]) -> Path:
-    """Resolve the config, make its output directory and write config, plan and environment.
-
-    Returns the directory holding them: the run directory, or for a second node or an externally
-    launched rank its subdirectory (`records_subdir`). A directory named by the clock
-    (the default) that is taken gets a -1, -2, ... suffix; one the user named is refused if it
-    already holds a run, so nothing written earlier is overwritten.
-    """
-    subdir = records_subdir(World(**plan.world))
-    run_dir = Path(cfg.paths.output_dir).expanduser().resolve()
-    if not subdir and named_by_clock(cfg.paths, "output_dir"):
-        run_dir = fresh_dir(run_dir)
-    records = run_dir / subdir
+def create_run_dir(cfg: DictConfig, plan: Plan, command: Sequence[str], records: Path) -> None:
+    """Resolve the config and write config, plan and environment into `records`: the run
+    directory, or for a second node or an externally launched rank its subdirectory
+    (`records_subdir`). The command reserved it (`reserve_dir`); Hydra made it."""
     if (records / "config.yaml").exists():
-        raise ConfigError("paths.output_dir", str(run_dir), "already holds a run; choose another directory")
-    cfg.paths.output_dir = str(run_dir)  # absolute, so every rank and node agrees
+        raise ConfigError("paths.output_dir", str(records), "already holds a run; choose another directory")
     OmegaConf.resolve(cfg)
     records.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, records / "config.yaml")
     write_yaml(records / "plan.yaml", {"printed": format_plan(plan).splitlines(), **plan.to_dict()})
-    write_yaml(records / "env.yaml", environment(overrides))
-    return records
+    write_yaml(records / "env.yaml", environment(command))
+
+
+def reserve_dir(cfg: DictConfig, hydra_key: str, paths_key: str, subdir: str = "") -> Path:
+    """The absolute directory a run (hydra.run.dir) or sweep (hydra.sweep.dir) will write, checked
+    before Hydra makes it. `hydra.<x>.dir` follows `paths.<x>_dir` unless set itself; setting both
+    to different places is refused. A directory named by the clock (the default) that is taken
+    gets a -1, -2, ... suffix; one the user named is refused if it already holds a run or sweep,
+    so nothing written earlier is overwritten. `subdir`: see `records_subdir`."""
+    hydra_dir = str(OmegaConf.select(cfg, hydra_key))
+    paths_dir = str(OmegaConf.select(cfg, paths_key))
+    if hydra_dir != paths_dir and not _named_by_clock(cfg, paths_key):
+        raise ConfigError(hydra_key, hydra_dir, f"differs from {paths_key}={paths_dir!r}; set one of them "
+                          f"({hydra_key} follows {paths_key})")
+    path = Path(hydra_dir).expanduser().resolve()
+    if not subdir and _named_by_clock(cfg, hydra_key):
+        return fresh_dir(path)
+    if (path / subdir / "config.yaml").exists() or (path / subdir / "multirun.yaml").exists():
+        raise ConfigError(paths_key if hydra_dir == paths_dir else hydra_key, str(path),
+                          "already holds a run; choose another directory")
+    return path
 
 
 def records_subdir(world: World) -> str:
@@ -69,9 +79,12 @@ def read_plan(records: Path) -> Plan:
     return Plan.from_dict(yaml.safe_load((records / "plan.yaml").read_text()))
 
 
-def named_by_clock(node: DictConfig, key: str) -> bool:
-    """Whether `node.key` is built from the `now` resolver (as the default run directories are)."""
-    return "${now:" in str(OmegaConf.to_container(node, resolve=False)[key])
+def _named_by_clock(cfg: DictConfig, key: str) -> bool:
+    """Whether the value at `key` is built from the `now` resolver (as the default directories
+    are), following plain `${other.key}` references."""
+    raw = str(OmegaConf.to_container(OmegaConf.select(cfg, key.rpartition(".")[0]), resolve=False)[key.rpartition(".")[2]])
+    reference = re.fullmatch(r"\$\{([\w.]+)\}", raw)
+    return _named_by_clock(cfg, reference.group(1)) if reference else "${now:" in raw
 
 
 def fresh_dir(path: Path) -> Path:
@@ -89,7 +102,7 @@ def fresh_dir(path: Path) -> Path:
             candidate = path.with_name(f"{path.name}-{taken}")
 
 
-def environment(overrides: Sequence[str]) -> Dict[str, Any]:
+def environment(command: Sequence[str]) -> Dict[str, Any]:
     def version(dist: str) -> str:
         try:
             return metadata.version(dist)
@@ -97,7 +110,7 @@ def environment(overrides: Sequence[str]) -> Dict[str, Any]:
             return "not installed"
 
     return {
-        "command": ["lightfleet", *overrides],
+        "command": ["lightfleet", *command],
         "python": platform.python_version(),
         "versions": {dist: version(dist) for dist in
                      ("lightfleet", "torch", "pytorch-lightning", "hydra-core", "omegaconf")},

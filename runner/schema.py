@@ -141,3 +141,8 @@ class RunConfig:
     """Seed for torch, numpy and python random on every rank."""
     dry_run: bool = False
     """Print the plan and exit without training."""
+    verbose: bool = False
+    """Show Lightning's informational lines (devices, distributed setup, tips); hydra.verbose=true
+    and the --verbose flag set it too."""
+    optimized_metric: Optional[str] = None
+    """A metric of results.yaml (e.g. val_loss) the job returns to a sweeper that optimises it (Optuna)."""

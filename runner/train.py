@@ -2,7 +2,9 @@
 rank of a multi-process run (`python -m runner.train RUN_DIR`, started by runner/launch.py)."""
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Dict
 
@@ -14,11 +16,28 @@ from runner.plan import Plan
 from runner.records import read_plan, write_yaml
 
 
+# Lightning's informational loggers: device and distributed-setup lines, tips.
+LIGHTNING_INFO_LOGGERS = ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero",
+                          "lightning_fabric.utilities.distributed", "pytorch_lightning.accelerators.cuda")
+
+
+def quiet_console(verbose: bool) -> None:
+    """Keep the console to the plan, the progress bar and the summary unless `verbose`."""
+    if verbose:
+        return
+    for name in LIGHTNING_INFO_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Lightning 2.6 builds torch pytree specs the way torch 2.13 deprecates: nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+
+
 def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
     """Build, fit, and record the final metrics (rank 0 writes results.yaml)."""
     import torch
 
     from runner.build import build
+
+    quiet_console(spec.cfg.verbose)
 
     run_dir = Path(spec.cfg.paths.output_dir)
     built = build(spec, plan, run_dir)

@@ -106,12 +106,12 @@ def test_multi_node_without_rendezvous_address_is_refused_before_spawning(lightf
 def test_help_lists_groups_strategies_and_experiments(lightfleet):
     done = lightfleet("--help")
     assert done.returncode == 0
-    assert f"strategies available: {', '.join(strategies.names())}\n" in done.stdout  # the registry's
+    assert f"strategy: {', '.join(sorted(strategies.names()))}\n" in done.stdout  # the registry's
     assert {"amp", "recompute", "sharding", "pipeline"} <= set(strategies.names())
     assert "quickstart" in done.stdout
 
 
 def test_cfg_prints_the_composed_config(lightfleet):
-    done = lightfleet("--cfg", "experiment=gpt_recompute_gradient_merge")
+    done = lightfleet("--cfg", "job", "experiment=gpt_recompute_gradient_merge")
     assert done.returncode == 0, done.stderr
     assert "k_steps: 4" in done.stdout and "GPTDecoder" in done.stdout

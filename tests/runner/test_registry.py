@@ -105,7 +105,7 @@ THROWAWAY = {
 def test_a_new_strategy_is_four_new_files_and_nothing_else(project_copy):
     for path, text in THROWAWAY.items():
         (project_copy.root / path).write_text(textwrap.dedent(text).lstrip())
-    assert "strategies available: " in (help := project_copy("--help")).stdout and "throwaway" in help.stdout
+    assert "\nstrategy: " in (help := project_copy("--help")).stdout and "throwaway" in help.stdout
     planned = project_copy("dry_run=true", "strategy=[throwaway]", "strategy.throwaway.label=mine")
     assert planned.returncode == 0, planned.stderr
     assert "plugins.throwaway:StepCounter(label='mine')  <- throwaway" in planned.stdout

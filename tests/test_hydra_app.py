@@ -1,0 +1,242 @@
+"""`lightfleet` as a Hydra application, through the real command in a scratch directory: Hydra's
+flags and `hydra.*` keys, a user's own config directory with a model that is not ours, Hydra's
+launchers (joblib, submitit's local executor) running 2-process jobs, and the Optuna sweeper."""
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+# A user's model, written here so that nothing of lightfleet's is in it: nested blocks and batch norm.
+USER_MODEL = '''
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU())
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class UserNet(pl.LightningModule):
+    def __init__(self, in_features=32, width=16, classes=4, lr=0.05):
+        super().__init__()
+        self.save_hyperparameters()
+        self.stem = nn.Linear(in_features, width)
+        self.stages = nn.ModuleList([nn.Sequential(Block(width), Block(width)) for _ in range(2)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+'''
+
+USER_CONFIGS = {
+    "model/user_net.yaml": "_target_: user_model.UserNet\nwidth: 16\n",
+    "data/user_data.yaml": "defaults:\n  - classification\n  - _self_\nbatch_size: 32\nnum_train: 512\n",
+    "experiment/user_experiment.yaml": textwrap.dedent("""\
+        # @package _global_
+        defaults:
+          - override /model: user_net
+          - override /data: user_data
+        name: user_experiment
+        trainer:
+          max_steps: 6
+        """),
+    # A primary config of the user's that starts from lightfleet's (for -cp/-cn).
+    "my_primary.yaml": "defaults:\n  - lightfleet\n  - override model: user_net\n  - _self_\nname: from_my_primary\n",
+}
+
+QUICK = ("trainer.max_steps=6", "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false", "trainer.num_sanity_val_steps=0")
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path) -> Path:
+    """The user's module beside the run (importable from where lightfleet runs) and their config dir."""
+    (tmp_path / "user_model.py").write_text(USER_MODEL)
+    configs = tmp_path / "my_configs"
+    for name, text in USER_CONFIGS.items():
+        (configs / name).parent.mkdir(parents=True, exist_ok=True)
+        (configs / name).write_text(text)
+    return configs
+
+
+def read(path: Path):
+    return yaml.safe_load(path.read_text())
+
+
+def test_hydra_show_flags(lightfleet, user_dir):
+    shown = lightfleet("--cfg", "job", "-p", "model", "model=gpt")
+    assert shown.returncode == 0 and shown.stdout.startswith("# @package model\n_target_: runner.models.GPTDecoder")
+    hydra = lightfleet("--cfg", "hydra", "-p", "hydra.job", "--resolve")
+    assert hydra.returncode == 0 and "name: lightfleet" in hydra.stdout
+    info = lightfleet("--info", "searchpath", "-cd", "my_configs")
+    assert info.returncode == 0 and f"file://{user_dir}" in info.stdout
+    assert lightfleet("--hydra-help").stdout.startswith("Hydra (")
+    assert "complete -o nospace" in lightfleet("-sc", "install=bash").stdout
+
+
+def test_user_config_dir_adds_options_everywhere(lightfleet, user_dir, tmp_path):
+    shown = lightfleet("-cd", "my_configs", "--help").stdout
+    assert "model: gpt, mlp, resnet, user_net\n" in shown and "user_experiment" in shown
+    typo = lightfleet("-cd", "my_configs", "model=user_nett")
+    assert typo.returncode == 2 and "did you mean user_net?" in typo.stderr and "Traceback" not in typo.stderr
+    done = lightfleet("-cd", "my_configs", "-m", "experiment=glob(user_*)", "paths.sweep_dir=sweep", *QUICK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    jobs = read(tmp_path / "sweep" / "sweep.yaml")["jobs"]
+    assert [job["overrides"][0] for job in jobs.values()] == ["experiment=user_experiment"]
+    assert read(tmp_path / "sweep" / "0" / "config.yaml")["model"]["_target_"] == "user_model.UserNet"
+
+
+def test_user_model_in_two_processes_with_hydra_run_dir_chdir_and_job_name(lightfleet, user_dir, tmp_path):
+    done = lightfleet("-cd", "my_configs", "experiment=user_experiment", "trainer.devices=2", "hydra.run.dir=mine",
+                      "hydra.job.chdir=true", "name=${hydra:job.name}-run", *QUICK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "mine"
+    config = read(run / "config.yaml")
+    assert config["paths"]["output_dir"] == str(run) and config["name"] == "lightfleet-run"
+    assert read(run / "results.yaml")["global_step"] == 6
+    assert (run / "lightfleet.log").is_file() and (run / ".hydra" / "overrides.yaml").is_file()
+    assert len(list(run.glob("logs/*/attempt_0/*/stderr.log"))) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "my_configs", "user_model.py"]
+
+
+def test_user_primary_config_starts_from_lightfleets(lightfleet, user_dir, tmp_path):
+    done = lightfleet("-cp", "my_configs", "-cn", "my_primary", "paths.output_dir=run", *QUICK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = read(tmp_path / "run" / "config.yaml")
+    assert config["name"] == "from_my_primary" and config["model"]["_target_"] == "user_model.UserNet"
+    assert config["data"]["_target_"] == "runner.data.SyntheticClassificationData"  # lightfleet's default
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+def test_launcher_runs_two_process_jobs_into_one_sweep_dir(lightfleet, tmp_path, launcher):
+    done = lightfleet("-m", f"hydra/launcher={launcher}", "strategy=[amp],[recompute]", "trainer.devices=2",
+                      "paths.sweep_dir=sweep", *QUICK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    jobs = read(sweep / "sweep.yaml")["jobs"]
+    assert sorted(jobs) == ["0", "1"] and all(job["status"] == "finished" for job in jobs.values())
+    for number, strategy in (("0", "amp"), ("1", "recompute")):
+        assert read(sweep / number / "plan.yaml")["strategies"] == [strategy]
+        assert read(sweep / number / "results.yaml")["global_step"] == 6
+        assert len(list((sweep / number).glob("logs/*/attempt_0/*/stderr.log"))) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["sweep"]  # no directory per rank or per relaunch
+
+
+def test_optuna_sweep_of_three_trials(lightfleet, tmp_path):
+    done = lightfleet("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",
+                      "hydra.sweeper.sampler.seed=0", "model.optimizer.lr=tag(log,interval(0.001,0.3))",
+                      "data.batch_size=choice(32,64)", "model.hidden_dim=range(16,48,16)",
+                      "optimized_metric=val_loss", "paths.sweep_dir=sweep", *QUICK, "trainer.val_check_interval=6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    losses = {}
+    for number in range(3):
+        config = read(sweep / str(number) / "config.yaml")
+        assert 0.001 <= config["model"]["optimizer"]["lr"] <= 0.3 and config["data"]["batch_size"] in (32, 64)
+        assert config["model"]["hidden_dim"] in (16, 32, 48)  # the Optuna sweeper takes range ends as inclusive
+        losses[number] = read(sweep / str(number) / "results.yaml")["val_loss"]
+    best = read(sweep / "optimization_results.yaml")
+    assert math.isclose(best["best_value"], min(losses.values()), rel_tol=1e-6)
+
+
+def test_refused_additions_and_sweeps_leave_nothing_behind(lightfleet, tmp_path):
+    added = lightfleet("+trainer.max_stepz=3")
+    assert added.returncode == 2 and "trainer has no key 'max_stepz' (did you mean max_steps?)" in added.stderr
+    sweep = lightfleet("-m", "strategy=[amp],[auto]")  # a job Hydra cannot compose: the sweep does not start
+    assert sweep.returncode == 2 and "auto is not available yet" in sweep.stderr
+    both = lightfleet("hydra.run.dir=a", "paths.output_dir=b")
+    assert both.returncode == 2 and "set one of them" in both.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+GROUPS = {"trainer": ["cpu", "gpu", "ddp"], "logger": ["csv", "tensorboard", "many", "wandb", "mlflow", "comet", "none"],
+          "callbacks": ["none", "model_checkpoint", "early_stopping", "lr_monitor", "rich_progress_bar"],
+          "debug": ["fdr", "overfit", "limit", "profiler"]}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, options in GROUPS.items() for o in options])
+def test_group_options_are_deltas_over_the_defaults(spec_for, group, option):
+    default = spec_for().cfg
+    chosen = spec_for(f"{group}={option}").cfg
+    if group == "callbacks" and option not in ("none", "model_checkpoint"):
+        assert set(chosen.callbacks) == {"model_checkpoint", option}  # the defaults plus one
+    if group == "logger" and option in ("tensorboard", "many"):
+        assert "tensorboard" in chosen.logger
+    if group == "trainer":
+        assert chosen.trainer.max_steps == default.trainer.max_steps  # what the option does not set stays
+
+
+def test_debug_and_group_options_run(lightfleet, tmp_path):
+    """Real runs of CPU options, several per run; each option's effect is checked."""
+    limited = lightfleet("trainer=cpu", "logger=none", "callbacks=early_stopping", "debug=limit", "paths.output_dir=a")
+    assert limited.returncode == 0, limited.stderr[-3000:]
+    assert read(tmp_path / "a" / "results.yaml")["global_step"] == 12  # 4 batches x 3 epochs
+    assert not (tmp_path / "a" / "csv").exists()
+    profiled = lightfleet("trainer=ddp", "callbacks=lr_monitor", "debug=profiler", "paths.output_dir=b",
+                          "trainer.enable_progress_bar=false")
+    assert profiled.returncode == 0, profiled.stderr[-3000:]
+    assert read(tmp_path / "b" / "plan.yaml")["world"]["world_size"] == 2
+    assert "lr-SGD" in (tmp_path / "b" / "csv" / "metrics.csv").read_text().splitlines()[0]
+    assert "FIT Profiler Report" in profiled.stdout + profiled.stderr
+    fast = lightfleet("debug=fdr", "callbacks=none", "paths.output_dir=c")
+    assert fast.returncode == 0, fast.stderr[-3000:]
+    assert read(tmp_path / "c" / "results.yaml")["global_step"] == 1
+
+
+def test_missing_logger_package_is_an_error_naming_the_install(lightfleet):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    done = lightfleet("logger=wandb", "paths.output_dir=run", "trainer.max_steps=2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "logger.wandb: its package is not installed" in done.stderr and "pip install -U 'wandb" in done.stderr
+
+
+def test_more_gpus_than_cuda_sees_is_refused_before_any_process(lightfleet, tmp_path):
+    import torch
+
+    gpus = torch.cuda.device_count()
+    done = lightfleet("trainer=gpu", f"trainer.devices={gpus + 1}") if gpus else lightfleet("trainer=gpu")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert f"this machine has {gpus} CUDA device(s)" in done.stderr if gpus else "no CUDA device" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quiet_console_and_a_log_file_for_every_run(lightfleet, tmp_path):
+    done = lightfleet("experiment=quickstart", "paths.output_dir=run", "trainer.enable_progress_bar=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "strategies: (none)" and lines[-1].startswith("lightfleet: done: 60 steps in ")
+    assert len(lines) == 4, done.stdout  # strategies, world, run directory, summary
+    for noise in ("GPU available", "TPU available", "Tip", "LeafSpec", "tensorboard", "Warning"):
+        assert noise not in done.stdout + done.stderr
+    assert (tmp_path / "run" / "lightfleet.log").is_file()
+    verbose = lightfleet("--verbose", "paths.output_dir=loud", "trainer.max_steps=2", "trainer.enable_progress_bar=false")
+    assert "GPU available" in verbose.stdout + verbose.stderr
