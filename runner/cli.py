@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # Hydra, OmegaConf and the config layer are imported only onc
     from runner.config import RunSpec
     from runner.plan import Plan
 
+# `lightfleet COMMAND RUN_DIR [overrides]`: again from the config a run saved, into a new directory.
+RUN_DIR_COMMANDS = ("replay", "resume", "eval")
 # Hydra's flags that show something and run nothing (see `lightfleet --hydra-help`).
 SHOW_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
 
@@ -38,11 +40,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.path.insert(0, cwd)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
     with exit_on_user_error():
+        if args and args[0] in RUN_DIR_COMMANDS:
+            args = from_run_dir(args[0], args[1:])
         if not {"-m", "--multirun", *SHOW_FLAGS} & set(args):
             selected = strategies_from_argv(args)
             if selected is not None:  # the command line's list wins over any experiment's: decide now
                 check(selected, load_table())
         return run_app(args)
+
+
+def from_run_dir(command: str, args: List[str]) -> List[str]:
+    """The Hydra arguments of `replay RUN_DIR` (train again from RUN_DIR's config.yaml), `resume
+    RUN_DIR` (the same, from its checkpoints/last.ckpt) and `eval [RUN_DIR]` (evaluate=true, with
+    RUN_DIR's config and last checkpoint when one is given); overrides follow as usual."""
+    if command == "eval" and not (args and (Path(args[0]) / "config.yaml").is_file()):
+        return [*args, "evaluate=true"]
+    if not args or not (Path(args[0]) / "config.yaml").is_file():
+        raise ConfigError(f"lightfleet {command}", args[0] if args else None,
+                          "needs a run directory (one holding config.yaml) first: lightfleet "
+                          f"{command} RUN_DIR [KEY=VALUE ...]")
+    from runner.config import SAVED_RUN, store_saved_run
+
+    run_dir = Path(args[0]).resolve()
+    store_saved_run(run_dir)
+    start = []
+    if command in ("resume", "eval"):
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if not last.exists():
+            raise ConfigError(f"lightfleet {command}", str(run_dir), "has no checkpoints/last.ckpt to start from")
+        start = [hydra_override("ckpt_path", last)] + (["evaluate=true"] if command == "eval" else [])
+    return ["-cn", SAVED_RUN, *start, *args[1:]]
 
 
 def run_app(args: List[str]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hydra import version
@@ -30,6 +31,7 @@ from runner.compat import CONF_DIR, EXPERIMENTS_DIR
 from runner.errors import ConfigError, Refusal
 
 CONFIG_NAME = "config"  # conf/config.yaml; also stored as `lightfleet` for users' primary configs
+SAVED_RUN = "lightfleet_saved_run"  # the primary config of `lightfleet replay|resume|eval RUN_DIR`
 TASK_NAME = "lightfleet"
 
 
@@ -57,6 +59,27 @@ def register_configs() -> None:
     store.store(name="lightfleet", node=OmegaConf.load(CONF_DIR / f"{CONFIG_NAME}.yaml"))
     for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
         store.store(group="experiment", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def store_saved_run(run_dir: Path) -> None:
+    """The config a run saved, as the primary config SAVED_RUN, its directories back to the
+    defaults and every path inside the old run directory (loggers, checkpoints) re-pointed at
+    `${paths.output_dir}`: run again, it writes a new run directory, never into the old one."""
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    old_dir = saved.paths.output_dir
+
+    def repoint(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: repoint(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [repoint(item) for item in value]
+        if isinstance(value, str) and (value == old_dir or value.startswith(old_dir + "/")):
+            return "${paths.output_dir}" + value[len(old_dir):]
+        return value
+
+    node = repoint(OmegaConf.to_container(saved))
+    node["paths"].update(output_dir=schema.PathsConfig.output_dir, sweep_dir=schema.PathsConfig.sweep_dir)
+    ConfigStore.instance().store(name=SAVED_RUN, node=OmegaConf.create({"defaults": [{"hydra": "default"}, "_self_"], **node}))
 
 
 def search_path(config_dir: Optional[str] = None):

@@ -19,7 +19,7 @@ CLASS_SIGNAL = 0.5
 
 
 class _SyntheticData(pl.LightningDataModule):
-    """Holds the train/val TensorDatasets built by `make_datasets` and serves them."""
+    """Holds the train/val/test TensorDatasets built by `make_datasets` and serves them."""
 
     def __init__(self, batch_size: int, seed: int, num_workers: int) -> None:
         super().__init__()
@@ -28,15 +28,16 @@ class _SyntheticData(pl.LightningDataModule):
         self.num_workers = num_workers
         self.train_set: Optional[TensorDataset] = None
         self.val_set: Optional[TensorDataset] = None
+        self.test_set: Optional[TensorDataset] = None
 
-    def make_datasets(self, generator: torch.Generator) -> tuple[TensorDataset, TensorDataset]:
-        """Build (train, val) with `generator` as the only source of randomness."""
+    def make_datasets(self, generator: torch.Generator) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
+        """Build (train, val, test) with `generator` as the only source of randomness."""
         raise NotImplementedError
 
     @override
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is None:
-            self.train_set, self.val_set = self.make_datasets(torch.Generator().manual_seed(self.seed))
+            self.train_set, self.val_set, self.test_set = self.make_datasets(torch.Generator().manual_seed(self.seed))
 
     def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
         # A plain DataLoader: under DDP Lightning swaps in a DistributedSampler itself.
@@ -49,6 +50,10 @@ class _SyntheticData(pl.LightningDataModule):
     @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
 
 
 class SyntheticClassificationData(_SyntheticData):
@@ -69,6 +74,7 @@ class SyntheticClassificationData(_SyntheticData):
         num_classes: int = 4,
         num_train: int = 2048,
         num_val: int = 512,
+        num_test: int = 512,
         batch_size: int = 64,
         seed: int = 0,
         num_workers: int = 0,
@@ -78,17 +84,22 @@ class SyntheticClassificationData(_SyntheticData):
         self.num_classes = num_classes
         self.num_train = num_train
         self.num_val = num_val
+        self.num_test = num_test
 
     @override
-    def make_datasets(self, generator: torch.Generator) -> tuple[TensorDataset, TensorDataset]:
-        num_samples = self.num_train + self.num_val
+    def make_datasets(self, generator: torch.Generator) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
         channels, *positions = self.input_shape
         prototypes = CLASS_SIGNAL * torch.randn(self.num_classes, channels, *[1] * len(positions), generator=generator)
-        labels = torch.randint(self.num_classes, (num_samples,), generator=generator)
-        inputs = torch.randn(num_samples, *self.input_shape, generator=generator) + prototypes[labels]
+
+        def draw(num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+            labels = torch.randint(self.num_classes, (num_samples,), generator=generator)
+            return torch.randn(num_samples, *self.input_shape, generator=generator) + prototypes[labels], labels
+
+        inputs, labels = draw(self.num_train + self.num_val)
         return (
             TensorDataset(inputs[: self.num_train], labels[: self.num_train]),
             TensorDataset(inputs[self.num_train :], labels[self.num_train :]),
+            TensorDataset(*draw(self.num_test)),  # drawn last: train and val stay what they were
         )
 
 
@@ -107,6 +118,7 @@ class SyntheticLanguageModelData(_SyntheticData):
         seq_len: int = 32,
         num_train: int = 2048,
         num_val: int = 256,
+        num_test: int = 256,
         batch_size: int = 32,
         seed: int = 0,
         num_workers: int = 0,
@@ -116,9 +128,10 @@ class SyntheticLanguageModelData(_SyntheticData):
         self.seq_len = seq_len
         self.num_train = num_train
         self.num_val = num_val
+        self.num_test = num_test
 
     @override
-    def make_datasets(self, generator: torch.Generator) -> tuple[TensorDataset, TensorDataset]:
+    def make_datasets(self, generator: torch.Generator) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
         vocab = self.vocab_size
         # Transition matrix: row t spreads its mass over 2 or 3 distinct random successors.
         successors = torch.rand(vocab, vocab, generator=generator).argsort(-1)[:, :3]
@@ -126,11 +139,13 @@ class SyntheticLanguageModelData(_SyntheticData):
         weights[torch.rand(vocab, generator=generator) < 0.5, 2] = 0.0  # about half get 2 successors
         transitions = torch.zeros(vocab, vocab).scatter_(1, successors, weights)
 
-        num_sequences = self.num_train + self.num_val
-        tokens = torch.empty(num_sequences, self.seq_len + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(vocab, (num_sequences,), generator=generator)
-        for position in range(1, self.seq_len + 1):
-            tokens[:, position] = torch.multinomial(transitions[tokens[:, position - 1]], 1, generator=generator)[:, 0]
+        def draw(num_sequences: int) -> torch.Tensor:
+            tokens = torch.empty(num_sequences, self.seq_len + 1, dtype=torch.long)
+            tokens[:, 0] = torch.randint(vocab, (num_sequences,), generator=generator)
+            for position in range(1, self.seq_len + 1):
+                tokens[:, position] = torch.multinomial(transitions[tokens[:, position - 1]], 1, generator=generator)[:, 0]
+            return tokens
 
-        train, val = tokens[: self.num_train], tokens[self.num_train :]
-        return TensorDataset(train[:, :-1], train[:, 1:]), TensorDataset(val[:, :-1], val[:, 1:])
+        tokens = draw(self.num_train + self.num_val)
+        train, val, test = tokens[: self.num_train], tokens[self.num_train :], draw(self.num_test)  # test drawn last
+        return tuple(TensorDataset(part[:, :-1], part[:, 1:]) for part in (train, val, test))

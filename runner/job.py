@@ -22,9 +22,9 @@ from omegaconf import DictConfig
 
 from runner.compat import check, load_table
 from runner.config import RunSpec, validate
-from runner.errors import ConfigError, Refusal, exit_on_user_error
+from runner.errors import ConfigError, Refusal, exit_on_user_error, require
 from runner.plan import Plan, format_plan, make_plan
-from runner.records import create_run_dir, records_subdir
+from runner.records import create_run_dir, find_checkpoint, records_subdir
 from runner.world import World, check_multi_node
 
 
@@ -38,6 +38,12 @@ def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
     plan = make_plan(spec.strategies, spec.trainer, spec.batch_size)
     check_multi_node(World(**plan.world))
     check_devices(spec.trainer.accelerator, World(**plan.world))
+    run = spec.cfg
+    require(run.ckpt_path is not None or not run.evaluate, "evaluate", True, "needs ckpt_path=PATH|last: the weights to evaluate")
+    require(not run.test or "pipeline" not in spec.strategies, "test", True,
+            "the pipeline strategy runs fit and validation only")
+    if run.ckpt_path is not None:  # where the command ran, also after hydra.job.chdir
+        run.ckpt_path = find_checkpoint(run.ckpt_path, run.paths.root_dir, Path(HydraConfig.get().runtime.cwd))
     return spec, plan
 
 

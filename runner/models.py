@@ -61,6 +61,11 @@ class ClassifierModule(pl.LightningModule):
         self.log_dict({"val_loss": loss, "val_acc": accuracy}, sync_dist=True)
 
     @override
+    def test_step(self, batch, batch_idx: int) -> None:
+        loss, accuracy = self._loss_and_accuracy(batch)
+        self.log_dict({"test_loss": loss, "test_acc": accuracy}, sync_dist=True)
+
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_factory(self.parameters())
 

@@ -59,6 +59,23 @@ def reserve_dir(cfg: DictConfig, hydra_key: str, paths_key: str, subdir: str = "
     return path
 
 
+def find_checkpoint(ckpt_path: str, root_dir: str, base: Path) -> str:
+    """`ckpt_path` as an absolute path that exists (relative ones are taken from `base`, where
+    the command ran); `last` is the newest checkpoints/last.ckpt of the runs and sweep jobs
+    under `root_dir`'s outputs/ and multirun/."""
+    if ckpt_path != "last":
+        path = (base / Path(ckpt_path).expanduser()).resolve()
+        if not path.exists():
+            raise ConfigError("ckpt_path", ckpt_path, f"no such checkpoint ({path})")
+        return str(path)
+    root = (base / Path(root_dir).expanduser()).resolve()
+    found = [p for folder in ("outputs", "multirun") for p in (root / folder).glob("**/checkpoints/last.ckpt")]
+    if not found:
+        raise ConfigError("ckpt_path", ckpt_path, f"no run under {root / 'outputs'} or {root / 'multirun'} "
+                          "has checkpoints/last.ckpt; give the checkpoint's path")
+    return str(max(found, key=lambda p: p.stat().st_mtime))
+
+
 def records_subdir(world: World) -> str:
     """Where this copy of the command keeps its records inside the run directory.
 

@@ -141,6 +141,14 @@ class RunConfig:
     """Seed for torch, numpy and python random on every rank."""
     dry_run: bool = False
     """Print the plan and exit without training."""
+    ckpt_path: Optional[str] = None
+    """Checkpoint to start from: model, optimizer, loss scaler, strategy state and step count
+    (a path, or `last`: the newest checkpoints/last.ckpt under paths.root_dir's outputs/ and
+    multirun/). The run itself writes a new run directory."""
+    test: bool = False
+    """Run the test stage after fit (the data module needs a test_dataloader)."""
+    evaluate: bool = False
+    """Only evaluate ckpt_path's weights: validation (and test with test=true), no training."""
     verbose: bool = False
     """Show Lightning's informational lines (devices, distributed setup, tips); hydra.verbose=true
     and the --verbose flag set it too."""

@@ -11,7 +11,7 @@ from typing import Any, Dict
 from omegaconf import OmegaConf
 
 from runner.config import RunSpec, validate
-from runner.errors import exit_on_user_error
+from runner.errors import exit_on_user_error, require
 from runner.plan import Plan
 from runner.records import read_plan, write_yaml
 
@@ -35,15 +35,27 @@ def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
     """Build, fit, and record the final metrics (rank 0 writes results.yaml)."""
     import torch
 
+    from pytorch_lightning.utilities.model_helpers import is_overridden
+
     from runner.build import build
 
     quiet_console(spec.cfg.verbose)
 
     run_dir = Path(spec.cfg.paths.output_dir)
     built = build(spec, plan, run_dir)
-    trainer = built.trainer
-    trainer.fit(built.model, datamodule=built.datamodule)
+    trainer, cfg = built.trainer, spec.cfg
+    if cfg.test:
+        for hook, owner in (("test_dataloader", built.datamodule), ("test_step", built.model)):
+            require(is_overridden(hook, owner), "test", True, f"{type(owner).__name__} has no {hook}")
+    if cfg.evaluate:  # the weights of ckpt_path, no training
+        trainer.validate(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
+    else:
+        trainer.fit(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
+        save_last_checkpoint(trainer)
     results = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    if cfg.test:  # the weights fit ended with, or ckpt_path's
+        trainer.test(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path if cfg.evaluate else None)
+        results.update((name, float(value)) for name, value in trainer.callback_metrics.items())
     results["global_step"] = trainer.global_step
     if trainer.is_global_zero:
         write_yaml(run_dir / "results.yaml", results)
@@ -55,9 +67,23 @@ def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
     return results
 
 
+def save_last_checkpoint(trainer: Any) -> None:
+    """Lightning checkpoints when validation or an epoch ends, so a run stopped by max_steps
+    between the two leaves last.ckpt behind its last step: save where fit ended as last.ckpt,
+    so that resuming continues from there."""
+    callback = trainer.checkpoint_callback
+    if callback is not None and callback.save_last and callback.dirpath:
+        last = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+        trainer.save_checkpoint(str(last), weights_only=False)  # all of it: optimizer, loops, scaler
+
+
 def train_from(records: Path) -> Dict[str, Any]:
-    """Train from the config.yaml and plan.yaml the command saved in `records`."""
-    return train(validate(OmegaConf.load(records / "config.yaml")), read_plan(records))
+    """Train from the config.yaml and plan.yaml the command saved in `records` (a fresh run
+    directory: a finished run is replayed into a new one with `lightfleet replay`)."""
+    spec = validate(OmegaConf.load(records / "config.yaml"))
+    require(not (Path(spec.cfg.paths.output_dir) / "results.yaml").exists(), "run directory", str(records),
+            f"has finished; `lightfleet replay {records}` runs it again in a new directory")
+    return train(spec, read_plan(records))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ launchers (joblib, submitit's local executor) running 2-process jobs, and the Op
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -240,3 +242,51 @@ def test_quiet_console_and_a_log_file_for_every_run(lightfleet, tmp_path):
     assert (tmp_path / "run" / "lightfleet.log").is_file()
     verbose = lightfleet("--verbose", "paths.output_dir=loud", "trainer.max_steps=2", "trainer.enable_progress_bar=false")
     assert "GPU available" in verbose.stdout + verbose.stderr
+
+
+def metrics_rows(run: Path) -> list:
+    lines = (run / "csv" / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    return [dict(zip(header, line.split(","))) for line in lines[1:]]
+
+
+def first_train_losses(run: Path) -> tuple:
+    """The first logged step and the mean of the first 5 logged training losses."""
+    rows = [r for r in metrics_rows(run) if r["train_loss"]][:5]
+    return int(rows[0]["step"]), sum(float(r["train_loss"]) for r in rows) / len(rows)
+
+
+def test_resume_continues_the_step_count_and_the_loss_curve(lightfleet, tmp_path):
+    quick = ("experiment=quickstart", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1")
+    assert lightfleet(*quick).returncode == 0
+    (first,) = list((tmp_path / "outputs").glob("*/*"))
+    before = (first / "csv" / "metrics.csv").read_text()
+    for command in (["resume", str(first), "hydra.run.dir=resumed"],  # the short form
+                    ["ckpt_path=last", *quick, "paths.output_dir=from_last"]):
+        done = lightfleet(*command, "trainer.max_steps=90", "trainer.log_every_n_steps=1")
+        assert done.returncode == 0, done.stderr[-3000:]
+        run = tmp_path / command[-1].split("=")[1]
+        assert read(run / "config.yaml")["ckpt_path"] == str(first / "checkpoints" / "last.ckpt")  # where it came from
+        assert read(run / "results.yaml")["global_step"] == 90
+        step, loss = first_train_losses(run)
+        assert step >= 60 and loss < 0.5 * first_train_losses(first)[1]  # the curve goes on, it does not restart
+    assert (first / "csv" / "metrics.csv").read_text() == before  # the old run is left as it was
+
+
+def test_test_stage_eval_and_replay_write_new_directories(lightfleet, tmp_path):
+    # Two whole epochs, validated at their end: the final weights are the validated ones.
+    done = lightfleet("experiment=quickstart", "trainer.max_steps=64", "trainer.val_check_interval=null", "test=true",
+                      "hydra.run.dir=first", "trainer.enable_progress_bar=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = read(tmp_path / "first" / "results.yaml")
+    assert 0 < first["test_loss"] and first["test_acc"] > 0.6
+    evaluated = lightfleet("eval", "first", "hydra.run.dir=evaluated", "test=false")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert read(tmp_path / "evaluated" / "results.yaml")["val_loss"] == pytest.approx(first["val_loss"], rel=1e-6)
+    replayed = lightfleet("replay", "first", "hydra.run.dir=replayed", "trainer.enable_progress_bar=false")
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    again = read(tmp_path / "replayed" / "results.yaml")
+    assert again["global_step"] == first["global_step"] and again["train_loss"] == pytest.approx(first["train_loss"])
+    in_place = subprocess.run([sys.executable, "-m", "runner.train", "first"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+    assert in_place.returncode == 2 and "`lightfleet replay first` runs it again in a new directory" in in_place.stderr
