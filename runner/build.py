@@ -14,7 +14,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from plugins.transforms import Transform, transform_in_configure_model
 from runner.config import RunSpec
 from runner.errors import ConfigError
+from runner.measure import RunMeter
 from runner.plan import Plan
 from runner.records import write_yaml
 
@@ -42,6 +43,7 @@ class Built:
     trainer: pl.Trainer
     model: pl.LightningModule
     datamodule: pl.LightningDataModule
+    meter: Optional[RunMeter]  # None when measurement is switched off
 
 
 def device_type(accelerator: str) -> str:
@@ -92,9 +94,11 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     # The plan's callbacks first: the user's then see what the strategies did (summed gradients, averaged parameters).
     callbacks = [claim.component.load()(**claim.component.kwargs) for claim in plan.callbacks]
     callbacks += [instantiate_checked(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node]
+    meter = RunMeter(cfg.measure.warmup_steps) if cfg.measure.enabled else None
+    callbacks += [meter] if meter else []
     trainer = pl.Trainer(**trainer_args, strategy=lightning_strategy(plan), plugins=plugins, callbacks=callbacks,
                          logger=loggers(cfg), default_root_dir=str(run_dir))
-    return Built(trainer, model, datamodule)
+    return Built(trainer, model, datamodule, meter)
 
 
 def lightning_strategy(plan: Plan) -> Any:

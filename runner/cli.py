@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from runner.compat import check, load_table, strategies_from_argv
 from runner.errors import ConfigError, Refusal, exit_on_user_error
+from runner.clock import mark_start
 
 if TYPE_CHECKING:  # Hydra, OmegaConf and the config layer are imported only once the table allows the run
     from omegaconf import DictConfig
@@ -31,6 +32,7 @@ SHOW_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-s
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    mark_start()
     args = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in args:  # the short form of Hydra's own switch
         args = [arg for arg in args if arg != "--verbose"] + ["hydra.verbose=true"]
@@ -39,6 +41,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cwd = os.getcwd()
     sys.path.insert(0, cwd)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
+    if args and args[0] == "report":
+        from runner import report
+
+        return report.main(args[1:])
     with exit_on_user_error():
         if args and args[0] in RUN_DIR_COMMANDS:
             args = from_run_dir(args[0], args[1:])
@@ -195,21 +201,29 @@ def hydra_override(key: str, path: Path) -> str:
 
 
 def summarize_sweep(sweep_dir: Path) -> int:
-    """Write sweep.yaml (each job's overrides and whether it finished) and return the sweep's exit
-    status: 1 when a job that started did not finish."""
+    """Write sweep.yaml (each job's overrides and status: finished, failed or refused, with the
+    reason) and the sweep's report (printed too); return its exit status: 1 when a job that started
+    did not finish."""
     import yaml
 
+    from runner import report
     from runner.records import write_yaml
 
     jobs = {}
-    for hydra_dir in sorted(sweep_dir.rglob(".hydra/overrides.yaml")):
-        job = hydra_dir.parent.parent
-        if (job / "config.yaml").is_file():
+    for job in sorted((path.parent for path in sweep_dir.rglob("*.yaml") if path.name in ("config.yaml", "refused.yaml")),
+                      key=lambda job: [int(part) if part.isdigit() else part for part in job.relative_to(sweep_dir).parts]):
+        if (job / "refused.yaml").is_file():
+            record = yaml.safe_load((job / "refused.yaml").read_text())
+            jobs[str(job.relative_to(sweep_dir))] = {**record, "status": "refused"}
+        elif (job / ".hydra" / "overrides.yaml").is_file():
+            ended = {"status": "finished"} if (job / "results.yaml").is_file() else {"status": "failed"}
+            if not (job / "results.yaml").is_file() and (job / "failure.yaml").is_file():
+                ended = yaml.safe_load((job / "failure.yaml").read_text())  # status, exit_code, error
             jobs[str(job.relative_to(sweep_dir))] = {
-                "overrides": yaml.safe_load(hydra_dir.read_text()),
-                "status": "finished" if (job / "results.yaml").is_file() else "failed"}
+                "overrides": yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()), **ended}
     write_yaml(sweep_dir / "sweep.yaml", {"jobs": jobs})
-    return 1 if any(job["status"] == "failed" for job in jobs.values()) else 0
+    report.main([str(sweep_dir)])
+    return 1 if any(job["status"] not in ("finished", "refused") for job in jobs.values()) else 0
 
 
 if __name__ == "__main__":

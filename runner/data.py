@@ -130,6 +130,11 @@ class SyntheticLanguageModelData(_SyntheticData):
         self.num_val = num_val
         self.num_test = num_test
 
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens a sample trains on: the run measures tokens/s from it."""
+        return self.seq_len
+
     @override
     def make_datasets(self, generator: torch.Generator) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
         vocab = self.vocab_size

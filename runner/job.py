@@ -8,12 +8,13 @@ the run's `optimized_metric` for sweepers that optimise one, and NaN for a job t
 """
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -24,8 +25,11 @@ from runner.compat import check, load_table
 from runner.config import RunSpec, validate
 from runner.errors import ConfigError, Refusal, exit_on_user_error, require
 from runner.plan import Plan, format_plan, make_plan
-from runner.records import create_run_dir, find_checkpoint, records_subdir
+from runner.clock import mark_start
+from runner.records import create_run_dir, find_checkpoint, record_failure, records_subdir, write_yaml
 from runner.world import World, check_multi_node
+
+log = logging.getLogger(__name__)
 
 
 def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
@@ -67,16 +71,22 @@ def run_job(cfg: DictConfig) -> Optional[float]:
         spec, plan = prepare(cfg)
     except (ConfigError, Refusal) as problem:
         print(f"lightfleet: job {hydra.job.num} ({' '.join(command)}) skipped: {problem}", file=sys.stderr)
-        shutil.rmtree(records)  # only Hydra's files: the job never started
+        shutil.rmtree(records)  # only Hydra's files: the job never started; it leaves its reason
+        records.mkdir()
+        write_yaml(records / "refused.yaml", {"overrides": command, "reason": str(problem)})
         return math.nan
     spec.cfg.paths.output_dir, spec.cfg.paths.sweep_dir = str(records), hydra.sweep.dir
     spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
     print(f"lightfleet: job {hydra.job.num}: {' '.join(command)}", flush=True)
+    mark_start()  # the job's start-up time counts from here, not from the sweep's start
     try:
         return objective(spec, records) if launch(spec, plan, command, records) == 0 else math.nan
     except ConfigError as error:  # e.g. a module name only the built model can reject
         print(f"lightfleet: job {hydra.job.num} error: {error}", file=sys.stderr)
-        return math.nan
+    except Exception as error:  # the job's own code failed in this process: the sweep goes on
+        log_to_file_only(f"job {hydra.job.num} failed")
+        print(f"lightfleet: job {hydra.job.num} failed: {first_line(error)}; traceback in {records / (hydra.job.name + '.log')}", file=sys.stderr)
+    return math.nan
 
 
 def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> int:
@@ -95,13 +105,53 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
         print(f"lightfleet: run failed: exit status by rank {codes}; logs in {records / 'logs'}", file=sys.stderr)
         # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
-        return 2 if 2 in codes.values() else 1
+        code = 2 if 2 in codes.values() else 1
+        record_failure(records, code, last_error_line(records / "logs", failure.get_first_failure()[1].local_rank))
+        return code
+    except Exception as error:  # in this process: recorded, then handled as any error
+        record_failure(records, 2 if isinstance(error, ConfigError) else 1, first_line(error))
+        raise
     if (run_dir / "results.yaml").is_file():  # rank 0's; a second node's copy of the command has none
         results = yaml.safe_load((run_dir / "results.yaml").read_text())
-        losses = "".join(f", {name} {results[name]:.4g}" for name in ("train_loss", "val_loss") if name in results)
-        print(f"lightfleet: done: {results['global_step']} steps in {time.monotonic() - started:.1f} s{losses}; "
-              f"run directory {run_dir}", flush=True)
+        print(f"lightfleet: done: {summary_line(results, time.monotonic() - started)}; run directory {run_dir}",
+              flush=True)
     return 0
+
+
+def summary_line(results: Dict[str, Any], seconds: float) -> str:
+    """Steps, wall time, throughput, peak memory (max over ranks) and final losses of a finished run."""
+    parts = [f"{results['global_step']} steps in {results.get('wall_s', seconds):.1f} s"]
+    if results.get("samples_per_s"):
+        tokens = f" ({results['tokens_per_s']:,.0f} tokens/s)" if results.get("tokens_per_s") else ""
+        parts.append(f"{results['samples_per_s']:,.1f} samples/s{tokens}")
+    if results.get("mfu"):
+        parts.append(f"MFU {results['mfu']:.1%}")
+    if results.get("peak_memory_mb"):
+        parts.append(f"peak memory {results['peak_memory_mb']:,.0f} MB")
+    parts += [f"{name} {results[name]:.4g}" for name in ("train_loss", "val_loss") if name in results]
+    return ", ".join(parts)
+
+
+def log_to_file_only(message: str) -> None:
+    """`message` and the traceback being handled, to the job's log file: the console gets one line."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, (), sys.exc_info())
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def last_error_line(logs: Path, local_rank: int) -> str:
+    """The last line a failed rank wrote to stderr: its one-line error, or its traceback's last line."""
+    for stderr in sorted(logs.glob(f"*/attempt_*/{local_rank}/stderr.log"), reverse=True):
+        lines = [line for line in stderr.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return lines[-1].split(":", 1)[1].strip() if lines[-1].startswith("[rank") else lines[-1].strip()
+    return "no error message (see the rank logs)"
 
 
 def objective(spec: RunSpec, records: Path) -> Optional[float]:

@@ -222,6 +222,11 @@ class GPTDecoder(ClassifierModule):
         self.blocks = nn.ModuleList(DecoderBlock(d_model, n_heads) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
+        # Training FLOPs per token (forward and backward), for model FLOPs utilisation: 6 per
+        # weight a token meets (embedding lookups are free) plus attention's scores and
+        # weighted sums over the context (PaLM, appendix B).
+        weights = sum(p.numel() for part in (self.blocks, self.ln_f, self.head) for p in part.parameters())
+        self.flops_per_token = 6 * weights + 12 * n_layers * d_model * seq_len
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
         """How tensor parallelism splits the decoder (torchtitan's plan without sequence parallelism):

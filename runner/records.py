@@ -4,7 +4,8 @@
     plan.yaml     the plan every rank carries out (its printed form, then its data)
     env.yaml      command, versions of python/torch/lightning/hydra/lightfleet, git commit
     build.yaml    what build resolved (e.g. the modules recompute wrapped)
-    csv/, results.yaml, checkpoints/, logs/   metrics, final metrics, checkpoints, rank logs
+    csv/, results.yaml, checkpoints/, logs/   metrics, final metrics and measurements, checkpoints, rank logs
+    failure.yaml  how a failed run ended; refused.yaml: why a sweep's job did not start
 """
 from __future__ import annotations
 
@@ -89,6 +90,12 @@ def records_subdir(world: World) -> str:
     if world.num_nodes > 1 and int(os.environ["NODE_RANK"]):
         return f"nodes/{os.environ['NODE_RANK']}"
     return ""
+
+
+def record_failure(records: Path, exit_code: int, error: str) -> None:
+    """failure.yaml: how the run ended (out of memory is told apart: the cure differs)."""
+    status = "out_of_memory" if "out of memory" in error.lower() else "failed"
+    write_yaml(records / "failure.yaml", {"status": status, "exit_code": exit_code, "error": error})
 
 
 def read_plan(records: Path) -> Plan:

@@ -118,6 +118,20 @@ class PathsConfig:
 
 
 @dataclass
+class MeasureConfig:
+    """What every run measures of itself (docs/measurements.md): optimizer-step time, samples/s,
+    tokens/s, model FLOPs utilisation, peak memory per rank, start-up and wall time."""
+
+    enabled: bool = True
+    """Measure, log the figures every log_every_n_steps and write them to results.yaml."""
+    warmup_steps: int = 5
+    """Optimizer steps left out of step times and throughput (allocation, autotuning, caches)."""
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 0, "measure.warmup_steps", self.warmup_steps, "must be >= 0")
+
+
+@dataclass
 class RunConfig:
     """A whole run: what to train, on what, how, with which strategies, and where outputs go."""
 
@@ -135,6 +149,8 @@ class RunConfig:
     """Extra callbacks by name, each a `_target_` spec (null disables one)."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     """Output locations."""
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    """The run's measurements of its own speed and memory."""
     name: str = "default"
     """Name of the run (experiments set it)."""
     seed: int = 0

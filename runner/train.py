@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict
@@ -13,6 +14,7 @@ from omegaconf import OmegaConf
 from runner.config import RunSpec, validate
 from runner.errors import exit_on_user_error, require
 from runner.plan import Plan
+from runner.clock import started_at
 from runner.records import read_plan, write_yaml
 
 
@@ -57,6 +59,8 @@ def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
         trainer.test(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path if cfg.evaluate else None)
         results.update((name, float(value)) for name, value in trainer.callback_metrics.items())
     results["global_step"] = trainer.global_step
+    if built.meter is not None and built.meter.summary:
+        results.update(built.meter.summary, wall_s=time.time() - started_at())
     if trainer.is_global_zero:
         write_yaml(run_dir / "results.yaml", results)
     if torch.distributed.is_initialized():

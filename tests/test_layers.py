@@ -13,7 +13,7 @@ import pytest
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Bottom to top; a module may import modules of its own layer or of layers below it.
 LAYERS = [
-    ["runner", "plugins", "runner.errors"],
+    ["runner", "plugins", "runner.errors", "runner.clock"],
     ["runner.world"],
     ["runner.contribution"],
     ["runner.strategies", "runner.strategies.*"],
@@ -21,7 +21,8 @@ LAYERS = [
     ["runner.compat", "runner.plan", "runner.knobs"],
     ["runner.config"],
     ["runner.records"],
-    ["plugins.*", "runner.models", "runner.data"],
+    ["runner.report"],
+    ["plugins.*", "runner.models", "runner.data", "runner.measure"],
     ["runner.build"],
     ["runner.train"],
     ["runner.launch"],

@@ -2,6 +2,7 @@
 multi-process jobs (one directory per job, every rank logging into it), every experiment."""
 from __future__ import annotations
 
+import csv
 import os
 import socket
 import subprocess
@@ -63,12 +64,39 @@ def test_sweep_of_two_combinations_in_two_processes_skips_refused_jobs(lightflee
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"job {len(rows)} (strategy=[lars,lamb]" in done.stderr and "both replace the optimizer" in done.stderr
     sweep = tmp_path / "sweep"
-    assert sorted(p.name for p in sweep.iterdir()) == sorted([str(i) for i in range(len(rows))] + ["multirun.yaml", "sweep.yaml"])
+    assert {p.name for p in sweep.iterdir()} >= {*(str(i) for i in range(len(rows) + 1)), "multirun.yaml", "sweep.yaml"}
+    refused = read(sweep / str(len(rows)) / "refused.yaml")  # the refused job leaves only its reason
+    assert [p.name for p in (sweep / str(len(rows))).iterdir()] == ["refused.yaml"]
+    assert refused["overrides"][0] == "strategy=[lars,lamb]" and "both replace the optimizer" in refused["reason"]
     for number, row in enumerate(rows):
         results = assert_run_dir(sweep / str(number), ranks=2)
         assert results["global_step"] == 12
         assert sorted(read(sweep / str(number) / "plan.yaml")["strategies"]) == row
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+    # The report the sweep ends with: a row per job, the refused one with its reason.
+    with open(sweep / "report.csv") as report:
+        jobs = {row["job"]: row for row in csv.DictReader(report)}
+    assert sorted(jobs) == ["0", "1", "2"] and "both replace the optimizer" in jobs["2"]["status"]
+    assert [jobs[str(n)]["strategies"] for n in range(3)] == ["amp+recompute", "amp+gradient_merge+recompute", "lamb+lars"]
+    assert all(float(jobs[str(n)]["samples_per_s"]) > 0 and jobs[str(n)]["world_size"] == "2" for n in range(2))
+    assert all((sweep / plot).stat().st_size > 0 for plot in ("throughput.png", "throughput_memory.png", "loss_curves.png"))
+    assert "| lamb+lars | refused:" in done.stdout
+
+
+def test_a_failed_job_is_recorded_and_the_sweep_goes_on(lightfleet, tmp_path):
+    """The GPT cannot read the classification data: job 0 fails in the sweep's own process, the
+    next job still runs, the report has both, and the sweep's exit status says one failed."""
+    done = lightfleet("-m", "model=gpt,mlp", "paths.sweep_dir=sweep", *fast())
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "lightfleet: job 0 failed: RuntimeError: Expected tensor" in done.stderr
+    failure = read(tmp_path / "sweep" / "0" / "failure.yaml")
+    assert failure["status"] == "failed" and failure["exit_code"] == 1 and "Expected tensor" in failure["error"]
+    assert "Traceback" in (tmp_path / "sweep" / "0" / "lightfleet.log").read_text()
+    assert read(tmp_path / "sweep" / "1" / "results.yaml")["global_step"] == 12
+    with open(tmp_path / "sweep" / "report.csv") as report:
+        statuses = {row["job"]: row["status"] for row in csv.DictReader(report)}
+    assert statuses["1"] == "ok" and statuses["0"].startswith("failed (exit 1): RuntimeError: Expected tensor")
+    assert [job["status"] for job in read(tmp_path / "sweep" / "sweep.yaml")["jobs"].values()] == ["failed", "finished"]
 
 
 def test_refusals_are_reported_before_the_first_job_trains(tmp_path):

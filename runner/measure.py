@@ -1,0 +1,280 @@
+"""Every run measures itself, on every rank: optimizer-step times, throughput, model FLOPs
+utilisation and peak memory (docs/measurements.md says what each figure means).
+
+The hot path only reads a clock (a CUDA event on GPUs, so the device is synchronised only when
+the times are read: at logging steps and at the end) and counts samples; figures are computed
+and logged every `log_every_n_steps`, and gathered from all ranks once, when training ends.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.throughput import get_available_flops
+from pytorch_lightning.utilities.data import extract_batch_size
+from typing_extensions import override
+
+from runner.clock import started_at
+
+# Dense peak FLOP/s of GPUs Lightning's table (lightning_fabric.utilities.throughput) lacks or
+# names ambiguously: the H200 ("NVIDIA H200") and the L40S (which Lightning reads as an L4).
+EXTRA_PEAK_FLOPS = {
+    "h200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, "tfloat32": 494.7e12, torch.float32: 66.9e12},
+    "l40s": {torch.bfloat16: 362.05e12, torch.float16: 362.05e12, "tfloat32": 183.2e12, torch.float32: 91.6e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
+    """Dense peak FLOP/s of one device computing in `dtype` (None: unknown, as on CPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    for chip, table in EXTRA_PEAK_FLOPS.items():
+        if chip in name.split():
+            tf32 = dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest"
+            return table.get("tfloat32" if tf32 else dtype)
+    return get_available_flops(device, dtype)
+
+
+def declared(name: str, *owners: Any) -> Optional[float]:
+    """An attribute a user's module or datamodule may declare (tokens_per_sample, flops_per_token...)."""
+    for owner in owners:
+        value = getattr(owner, name, None)
+        if value is not None:
+            return float(value)
+    return None
+
+
+def peak_memory_mb(device: torch.device) -> Dict[str, Optional[float]]:
+    """This rank's peak memory: CUDA's max allocated and reserved, or on CPU the process's peak
+    resident set (Linux reports it in KiB, macOS in bytes)."""
+    if device.type == "cuda":
+        return {"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_memory_mb": peak / (2**20 if sys.platform == "darwin" else 2**10), "peak_reserved_mb": None}
+
+
+class StepClock:
+    """Times between consecutive `tick`s. On CUDA each tick records an event, and the device is
+    synchronised only when `durations` reads them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._ticks: List[Any] = []
+
+    def tick(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._ticks.append(event)
+        else:
+            self._ticks.append(time.perf_counter())
+
+    def restart(self) -> None:
+        """Forget the pending tick: what comes before the next one is not a step (validation...)."""
+        self._ticks.clear()
+        self.tick()
+
+    def durations(self) -> List[float]:
+        """Seconds between the ticks since the last call; the last tick is kept as the next start."""
+        ticks = self._ticks
+        if len(ticks) < 2:
+            return []
+        if self.cuda:
+            ticks[-1].synchronize()
+            seconds = [start.elapsed_time(end) / 1000 for start, end in zip(ticks, ticks[1:])]
+        else:
+            seconds = [end - start for start, end in zip(ticks, ticks[1:])]
+        self._ticks = ticks[-1:]
+        return seconds
+
+
+@dataclass
+class RankFigures:
+    """What one rank measured, gathered to every rank at the end."""
+
+    data_parallel_rank: int
+    samples: int  # samples this rank trained on
+    measured_samples: int  # ... in the steps after warm-up
+    step_times: List[float]  # seconds per optimizer step after warm-up
+    first_step_at: float  # seconds since the epoch
+    peak_memory_mb: float
+    peak_reserved_mb: Optional[float]
+
+
+class RunMeter(pl.Callback):
+    """Measures optimizer-step time, samples, tokens and peak memory on every rank; logs them
+    every `log_every_n_steps` (samples/s and tokens/s in the progress bar) and leaves the run's
+    figures in `summary` (on every rank) when training ends."""
+
+    def __init__(self, warmup_steps: int = 5) -> None:
+        self.warmup_steps = warmup_steps
+        self.summary: Dict[str, Any] = {}
+        self.clock: Optional[StepClock] = None  # from the start of training (not in evaluation or sanity checks)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.device = trainer.strategy.root_device
+        sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        self.data_parallel_size = int(sampler.get("num_replicas", 1))
+        self.data_parallel_rank = int(sampler.get("rank", 0))
+        datamodule = trainer.datamodule
+        self.tokens_per_sample = declared("tokens_per_sample", datamodule, pl_module)
+        per_token = declared("flops_per_token", pl_module)
+        self.flops_per_sample = (per_token * self.tokens_per_sample if per_token and self.tokens_per_sample
+                                 else declared("flops_per_sample", pl_module))
+        self.peak_flops = peak_flops(self.device, compute_dtype(trainer))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.clock = StepClock(self.device)
+        self.step_times: List[float] = []  # every step's, warm-up included
+        self.step_samples: List[int] = []
+        self.samples = self.samples_in_step = 0
+        self.first_step_at: Optional[float] = None
+        self.interrupted = True
+        self.last_step = trainer.global_step
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        if self.interrupted:  # the step starts now, not when validation or the epoch began
+            self.clock.restart()
+            self.interrupted = False
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.samples_in_step += extract_batch_size(batch)
+        if trainer.global_step == self.last_step:  # accumulating: the optimizer has not stepped yet
+            return
+        self.last_step = trainer.global_step
+        self.clock.tick()
+        self.samples += self.samples_in_step
+        self.step_samples.append(self.samples_in_step)
+        self.samples_in_step = 0
+        if trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0:
+            self._read_clock()
+            self._log(pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pause()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pause()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._read_clock()
+        # Too few steps for the warm-up asked for: all but the first (which compiles, allocates...).
+        steps = len(self.step_times)
+        warm = self.warmup_steps if steps > self.warmup_steps else int(steps > 1)
+        mine = RankFigures(self.data_parallel_rank, self.samples, sum(self.step_samples[warm:]),
+                           self.step_times[warm:], self.first_step_at or time.time(),
+                           **peak_memory_mb(self.device))
+        ranks = gather(mine)
+        self.summary = self._summarize(ranks, trainer)
+
+    def _pause(self) -> None:
+        self._read_clock()
+        self.interrupted = True
+
+    def _read_clock(self) -> None:
+        if self.clock is not None:
+            self.step_times += self.clock.durations()
+
+    def _log(self, pl_module: pl.LightningModule) -> None:
+        """The figures of the steps since the last log, as this rank sees them (x replicas)."""
+        recent = self.step_times[-pl_module.trainer.log_every_n_steps:]
+        if not recent:
+            return
+        samples_per_s = sum(self.step_samples[-len(recent):]) / sum(recent) * self.data_parallel_size
+        figures = {"step_time_s": statistics.median(recent), "samples_per_s": samples_per_s,
+                   "peak_memory_mb": peak_memory_mb(self.device)["peak_memory_mb"]}
+        if self.tokens_per_sample:
+            figures["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        for name, value in figures.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name in ("samples_per_s", "tokens_per_s"),
+                          rank_zero_only=True)
+
+    def _summarize(self, ranks: List[RankFigures], trainer: pl.Trainer) -> Dict[str, Any]:
+        """The run's figures: throughput counts each data-parallel replica once (the ranks of one
+        pipeline or tensor-parallel group read the same samples) over the slowest rank's time."""
+        replicas = {rank.data_parallel_rank: rank for rank in ranks}.values()
+        measured_time = max(sum(rank.step_times) for rank in ranks)
+        measured = sum(rank.measured_samples for rank in replicas)
+        samples_per_s = measured / measured_time if measured_time else None
+        tokens_per_s = samples_per_s * self.tokens_per_sample if samples_per_s and self.tokens_per_sample else None
+        mfu = None
+        if samples_per_s and self.flops_per_sample and self.peak_flops:
+            mfu = self.flops_per_sample * samples_per_s / (self.peak_flops * len(ranks))
+        medians = [statistics.median(rank.step_times) if rank.step_times else None for rank in ranks]
+        p90s = [percentile(rank.step_times, 0.9) for rank in ranks]
+        first_step_at = min(rank.first_step_at for rank in ranks)
+        return {
+            "step_time_median_s": max(filter(None, medians), default=None),
+            "step_time_p90_s": max(filter(None, p90s), default=None),
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "peak_memory_mb": max(rank.peak_memory_mb for rank in ranks),
+            "peak_reserved_mb": max((rank.peak_reserved_mb for rank in ranks if rank.peak_reserved_mb), default=None),
+            "startup_s": first_step_at - started_at(),
+            "train_s": time.time() - first_step_at,
+            "samples_seen": sum(rank.samples for rank in replicas),
+            "measured_steps": len(ranks[0].step_times),
+            "warmup_steps": self.warmup_steps,
+            "world_size": len(ranks),
+            "data_parallel_size": self.data_parallel_size,
+            "global_batch": self.step_samples[-1] * self.data_parallel_size if self.step_samples else None,
+            "device": device_name(self.device),
+            "tokens_per_sample": self.tokens_per_sample,
+            "flops_per_sample": self.flops_per_sample,
+            "peak_flops_per_device": self.peak_flops,
+            "by_rank": {"peak_memory_mb": [rank.peak_memory_mb for rank in ranks],
+                        "step_time_median_s": medians},
+        }
+
+
+def percentile(values: List[float], fraction: float) -> Optional[float]:
+    """The `fraction` quantile (nearest rank), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))]
+
+
+def gather(figures: RankFigures) -> List[RankFigures]:
+    """Every rank's figures, in rank order (just this one's without a process group)."""
+    if not torch.distributed.is_initialized():
+        return [figures]
+    gathered: List[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, figures)
+    return gathered
+
+
+def compute_dtype(trainer: pl.Trainer) -> torch.dtype:
+    """The dtype matrix multiplications run in, from the precision plugin."""
+    precision = str(trainer.precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float64 if precision.startswith("64") else torch.float32
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"

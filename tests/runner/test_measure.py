@@ -1,0 +1,112 @@
+"""Every run measures itself (runner/measure.py): figures checked against independent ones — the
+samples the data and the step count imply, the test's own clock, torch's FLOP counter, and a
+wider model's memory."""
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch.utils.flop_counter import FlopCounterMode
+
+from runner.measure import percentile
+from runner.models import GPTDecoder
+
+STEPS = 30
+QUIET = ("trainer.enable_progress_bar=false", "trainer.log_every_n_steps=5", f"trainer.max_steps={STEPS}")
+
+
+def results(run: Path) -> dict:
+    return yaml.safe_load((run / "results.yaml").read_text())
+
+
+def test_single_process_figures_agree_with_the_steps_and_the_clock(lightfleet, tmp_path):
+    started = time.time()
+    done = lightfleet("model=gpt", "data=language_model", "paths.output_dir=run", *QUIET)
+    elapsed = time.time() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = results(tmp_path / "run")
+    batch, seq_len = 32, 32  # conf/data/language_model.yaml
+    assert figures["samples_seen"] == STEPS * batch and figures["global_batch"] == batch
+    assert figures["measured_steps"] == STEPS - figures["warmup_steps"]
+    # The whole command, timed by the test, took longer than what the run says it spent.
+    assert 0 < figures["startup_s"] < figures["wall_s"] <= elapsed
+    assert figures["train_s"] < figures["wall_s"]
+    assert figures["samples_per_s"] >= figures["samples_seen"] / elapsed
+    # Throughput and step times describe the same steps: the mean step (a global batch at that
+    # rate) is at least half the median (half the steps take the median or longer), and the
+    # measured steps fit in the training time.
+    mean_step = batch / figures["samples_per_s"]
+    assert mean_step >= figures["step_time_median_s"] / 2
+    assert figures["measured_steps"] * mean_step <= figures["train_s"]
+    assert figures["step_time_median_s"] <= figures["step_time_p90_s"]
+    assert figures["tokens_per_s"] == pytest.approx(figures["samples_per_s"] * seq_len)
+    assert figures["mfu"] is None and figures["device"].startswith("cpu")  # no peak FLOP/s for CPUs
+    assert figures["peak_memory_mb"] > 50 and figures["by_rank"]["peak_memory_mb"] == [figures["peak_memory_mb"]]
+    # Logged over time too: the CSV logger has the throughput column.
+    with open(tmp_path / "run" / "csv" / "metrics.csv") as metrics:
+        logged = [float(row["tokens_per_s"]) for row in csv.DictReader(metrics) if row.get("tokens_per_s")]
+    assert len(logged) >= STEPS // 5 - 1 and all(value > 0 for value in logged)
+    assert "samples/s" in done.stdout and "peak memory" in done.stdout  # the end summary
+
+
+def test_two_replicas_count_both_and_a_pipeline_counts_its_batch_once(lightfleet, tmp_path):
+    done = lightfleet("experiment=mlp_ddp_amp", "paths.output_dir=ddp", *QUIET)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ddp = results(tmp_path / "ddp")
+    batch = yaml.safe_load((tmp_path / "ddp" / "config.yaml").read_text())["data"]["batch_size"]
+    assert ddp["world_size"] == ddp["data_parallel_size"] == 2 and ddp["global_batch"] == 2 * batch
+    assert ddp["samples_seen"] == STEPS * 2 * batch and len(ddp["by_rank"]["peak_memory_mb"]) == 2
+    mean_step = 2 * batch / ddp["samples_per_s"]  # the global batch at the job's rate
+    assert ddp["step_time_median_s"] / 2 <= mean_step and ddp["measured_steps"] * mean_step <= ddp["train_s"]
+
+    done = lightfleet("experiment=gpt_pipeline_1f1b", "paths.output_dir=pipe", *QUIET)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pipe = results(tmp_path / "pipe")
+    batch = yaml.safe_load((tmp_path / "pipe" / "config.yaml").read_text())["data"]["batch_size"]
+    assert pipe["world_size"] == 2 and pipe["data_parallel_size"] == 1  # both stages read the same batches
+    assert pipe["samples_seen"] == STEPS * batch
+
+
+def test_a_model_twice_as_wide_reports_more_peak_memory(lightfleet, tmp_path):
+    peaks = {}
+    for width in (1024, 2048):
+        done = lightfleet(f"model.hidden_dim={width}", f"paths.output_dir=w{width}", *QUIET)
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks[width] = results(tmp_path / f"w{width}")["peak_memory_mb"]
+    # 3 blocks of two square layers: parameters, gradients and momentum grow by 3 x 4 x 6.3M floats.
+    assert peaks[2048] - peaks[1024] > 100
+
+
+def test_switched_off_the_run_records_no_figures(lightfleet, tmp_path):
+    done = lightfleet("measure.enabled=false", "paths.output_dir=run", *QUIET)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "samples_per_s" not in results(tmp_path / "run")
+
+
+def attention_in_plain_matmuls(q, k, v, is_causal):
+    """Causal attention as two counted matrix products (torch's counter may not see every SDPA kernel)."""
+    length = q.size(-2)
+    scores = (q @ k.transpose(-2, -1)) / q.size(-1) ** 0.5
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def test_gpt_flops_per_token_matches_torchs_flop_counter(monkeypatch):
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", attention_in_plain_matmuls)
+    model = GPTDecoder(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
+    tokens = torch.randint(64, (1, 32))
+    with FlopCounterMode(display=False) as counter:
+        model.loss(model(tokens), tokens).backward()
+    # torch counts matrix products (attention's in full, as the formula does); the formula also
+    # counts biases and norms as weights: under 2% more here.
+    assert model.flops_per_token * 32 == pytest.approx(counter.get_total_flops(), rel=0.03)
+
+
+def test_percentile_is_the_nearest_rank():
+    assert percentile([], 0.9) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([float(v) for v in range(1, 11)], 0.9) == 9.0
