@@ -24,8 +24,7 @@ EXPERIMENTS_DIR = PROJECT_ROOT / "experiments"
 
 @dataclass(frozen=True)
 class Table:
-    known: Tuple[str, ...]  # the registry's strategies and Fleet's switches not built yet
-    available: FrozenSet[str]  # the registry's strategies
+    known: Tuple[str, ...]  # the registry's strategies
     alone: FrozenSet[str]
     allowed: Tuple[FrozenSet[str], ...]
     reasons: Dict[FrozenSet[str], str]
@@ -35,11 +34,9 @@ class Table:
 def load_table(conf_dir: Path = CONF_DIR) -> Table:
     """The table in `conf_dir`/compat.yaml; a name it uses that no strategy has is an error."""
     raw = yaml.safe_load((conf_dir / "compat.yaml").read_text())
-    available = strategies.names()
-    known = available + strategies.NOT_BUILT_YET
+    known = strategies.names()
     table = Table(
         known=known,
-        available=frozenset(available),
         alone=frozenset(raw.get("alone", [])),
         allowed=tuple(frozenset(row) for row in raw.get("allowed", [])),
         reasons={frozenset(r["pair"]): r["why"] for r in raw.get("reasons", [])},
@@ -51,16 +48,12 @@ def load_table(conf_dir: Path = CONF_DIR) -> Table:
 
 
 def check(selected: Sequence[str], table: Table) -> None:
-    """Raise ConfigError for unknown names, Refusal for unavailable or forbidden combinations."""
+    """Raise ConfigError for unknown names, Refusal for forbidden combinations."""
     for name in selected:
         if name not in table.known:
             raise ConfigError("strategy", name, f"unknown strategy; known: {', '.join(table.known)}", table.known)
     if len(set(selected)) != len(selected):
         raise ConfigError("strategy", list(selected), "a strategy is named twice")
-    missing = [name for name in selected if name not in table.available]
-    if missing:
-        raise Refusal(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not available yet "
-                      f"(available: {', '.join(sorted(table.available))})")
     chosen = frozenset(selected)
     if len(chosen) < 2:
         return

@@ -27,8 +27,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import schema, strategies
-from runner.compat import CONF_DIR, EXPERIMENTS_DIR
+from runner.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table
 from runner.errors import ConfigError, Refusal
+from runner.plan import Plan, make_plan
 
 CONFIG_NAME = "config"  # conf/config.yaml; also stored as `lightfleet` for users' primary configs
 SAVED_RUN = "lightfleet_saved_run"  # the primary config of `lightfleet replay|resume|eval RUN_DIR`
@@ -133,10 +134,8 @@ def group_options(group: str) -> List[str]:
 
 
 def _not_selected(knob: str) -> Exception:
-    from runner.compat import check, load_table
-
     name = knob.split(".")[1]
-    check([name], load_table())  # an unknown or unavailable name says so first
+    check([name], load_table())  # an unknown name says so first
     return ConfigError(knob, None, f"strategy {name} is not selected; add it to strategy=[...] to set its knobs")
 
 
@@ -166,6 +165,13 @@ def validate(cfg: DictConfig) -> RunSpec:
     return RunSpec(merged, strategies, trainer)
 
 
+def plan_for(spec: RunSpec) -> Plan:
+    """The run's plan, once the table allows its strategies: the one place plans are made (by the
+    command, for the run and for auto's trials; ranks read the plan.yaml it saves)."""
+    check(list(spec.strategies), load_table())
+    return make_plan(spec.strategies, spec.trainer, spec.batch_size)
+
+
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
@@ -175,8 +181,7 @@ def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Excepti
     if group is None:
         return ConfigError("overrides", " ".join(overrides), _first_line(error))
     group_name, option = group.group(1), group.group(2)
-    if group_name == "strategy":  # known-but-unavailable names are caught by the compat check
-        from runner.compat import check, load_table
+    if group_name == "strategy":  # the compat check names the known strategies
         try:
             check([option], load_table())
         except (ConfigError, Refusal) as refusal:

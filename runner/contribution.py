@@ -70,10 +70,72 @@ class Contribution:
     notes: List[str] = field(default_factory=list)
 
 
+# Optimizer state per parameter, in bytes of float32, by optimizer family (momentum; Adam's two moments).
+OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "other": 8}
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What `strategy=[auto]` knows of a run before it chooses (plugins/auto.py gathers them on
+    the driver, the model built on the meta device)."""
+
+    parameters: int
+    optimizer: str  # the family of what configure_optimizers returns: a key of OPTIMIZER_STATE_BYTES
+    blocks: int  # modules in the model's first repeated block list (0: none)
+    has_loss: bool  # the model has loss(outputs, targets), which the pipeline's last stage needs
+    activation_bytes: int  # module outputs of one float32 training step of one process
+    batch_size: Optional[int]
+    world_size: int
+    num_nodes: int = 1
+    device: str = "cpu"  # cpu | cuda
+    device_memory_bytes: Optional[int] = None  # per process; None: unknown, nothing pruned
+    bf16: bool = True  # the device computes bfloat16
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one process holds at its peak, by kind: float32 training before strategies act."""
+
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+
+    @classmethod
+    def of(cls, facts: Facts) -> "Memory":
+        return cls(4.0 * facts.parameters, 4.0 * facts.parameters,
+                   OPTIMIZER_STATE_BYTES[facts.optimizer] * float(facts.parameters), float(facts.activation_bytes))
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_states + self.activations
+
+
 class Strategy:
-    """Base of every strategy's knobs dataclass; `name` is its module's name in runner/strategies/."""
+    """Base of every strategy's knobs dataclass; `name` is its module's name in runner/strategies/.
+
+    Besides `contribute`, a strategy answers `strategy=[auto]`'s questions (defaults: applies to
+    any run, changes no memory, costs no time): `applies`, `memory`, `speed` and `variants`."""
 
     name: ClassVar[str]
+    changes_numerics: ClassVar[bool] = False  # the result differs beyond floating-point rounding
+    for_memory_only: ClassVar[bool] = False  # auto tries it only when a candidate does not fit without it
 
     def contribute(self, run: RunShape) -> Contribution:
         raise NotImplementedError(f"{type(self).__name__}.contribute")
+
+    def applies(self, facts: Facts) -> Optional[str]:
+        """Why the strategy cannot serve a run of these facts; None when it can."""
+        return None
+
+    def memory(self, memory: Memory, facts: Facts) -> Memory:
+        """The per-process bytes of a run with this strategy on, from those without it."""
+        return memory
+
+    def speed(self, facts: Facts) -> float:
+        """Estimated throughput with this strategy relative to without it (auto tries the fastest first)."""
+        return 1.0
+
+    def variants(self, facts: Facts) -> List[Dict[str, Any]]:
+        """The knob settings worth trying for these facts (each a dict of knobs over the defaults)."""
+        return [{}]

@@ -21,10 +21,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.compat import check, load_table
-from runner.config import RunSpec, validate
+from runner.config import RunSpec, plan_for, validate
 from runner.errors import ConfigError, Refusal, exit_on_user_error, require
-from runner.plan import Plan, format_plan, make_plan
+from runner.plan import Plan, format_plan
 from runner.clock import mark_start
 from runner.records import create_run_dir, find_checkpoint, record_failure, records_subdir, write_yaml
 from runner.world import World, check_multi_node
@@ -33,13 +32,12 @@ log = logging.getLogger(__name__)
 
 
 def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
-    """Validate, check against the table, plan, and check the world against the machine. The one
-    place plans are made; every rank reads the plan the job saves."""
+    """Validate, plan (runner.config.plan_for, after the table's check), and check the world
+    against the machine; every rank reads the plan the job saves."""
     from runner.launch import check_devices
 
     spec = validate(cfg)
-    check(list(spec.strategies), load_table())
-    plan = make_plan(spec.strategies, spec.trainer, spec.batch_size)
+    plan = plan_for(spec)
     check_multi_node(World(**plan.world))
     check_devices(spec.trainer.accelerator, World(**plan.world))
     run = spec.cfg
@@ -95,6 +93,13 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
 
     from runner import launch as launcher
 
+    if "auto" in plan.strategies:  # chosen now, before any rank starts
+        from runner.autotune import choose
+
+        chosen = choose(spec, records, command)
+        if chosen is None:  # strategy.auto.search_only
+            return 0
+        spec, plan = chosen
     create_run_dir(spec.cfg, plan, command, records)
     run_dir = Path(spec.cfg.paths.output_dir)
     print(f"{format_plan(plan)}\nlightfleet: run directory {run_dir}", flush=True)

@@ -15,7 +15,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, exit_on_user_error
+from runner.records import read_plan
 from runner.world import World, launched_externally
 
 
@@ -76,3 +77,8 @@ def run(records: Path, world: World) -> None:
         **rendezvous,
     )
     elastic_launch(config, sys.executable)("-m", "runner.train", str(records))
+
+
+if __name__ == "__main__":  # `python -m runner.launch RUN_DIR`: a run already recorded (auto's trials)
+    with exit_on_user_error():
+        run(Path(sys.argv[1]), World(**read_plan(Path(sys.argv[1])).world))

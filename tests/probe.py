@@ -39,10 +39,13 @@ class Knob:
 
 @dataclass
 class WiringCase:
-    """Non-default knobs of one strategy, set together in one run with `overrides`."""
+    """Non-default knobs of one strategy, set together in one run with `overrides`. With
+    `from_run_dir`, each knob's `read` takes the run directory after the command ends instead
+    (strategy=[auto]: what it tried and chose is written there, and search_only trains nothing)."""
 
     knobs: Dict[str, Knob]
     overrides: List[str] = field(default_factory=list)
+    from_run_dir: bool = False
 
 
 def strategy_tests(name: str) -> Any:

@@ -33,12 +33,16 @@ def test_knobs_set_on_the_command_line_reach_the_plugins(name, index, lightfleet
     for knob_name, knob in case.knobs.items():
         assert knob.value != getattr(defaults, knob_name), f"{name}.{knob_name}: set a non-default value"
     selection = next((o for o in case.overrides if o.startswith("strategy=")), f"strategy=[{name}]")
+    probe = [] if case.from_run_dir else ["+callbacks.probe._target_=probe.Wiring", f"+callbacks.probe.strategy={name}",
+                                          f"+callbacks.probe.case={index}"]
     done = lightfleet(selection, *[o for o in case.overrides if o != selection],
                       *[knob.override(name, knob_name) for knob_name, knob in case.knobs.items()],
-                      "paths.output_dir=run", "+callbacks.probe._target_=probe.Wiring",
-                      f"+callbacks.probe.strategy={name}", f"+callbacks.probe.case={index}", *FAST)
+                      "paths.output_dir=run", *probe, *FAST)
     assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads((tmp_path / "run" / "wiring.json").read_text())
+    if case.from_run_dir:
+        seen = {knob_name: knob.read(tmp_path / "run") for knob_name, knob in case.knobs.items()}
+    else:
+        seen = json.loads((tmp_path / "run" / "wiring.json").read_text())
     for knob_name, knob in case.knobs.items():
         expected = knob.value if knob.expected is None else knob.expected
         assert seen[knob_name] == expected, f"strategy.{name}.{knob_name}: set {knob.value!r}, the plugin has " \

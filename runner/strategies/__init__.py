@@ -14,9 +14,6 @@ from typing import Dict, Tuple
 
 from runner.contribution import Strategy
 
-# Fleet's switches that have no module here yet: known names, refused as "not available yet".
-NOT_BUILT_YET = ("auto",)
-
 
 @functools.lru_cache(maxsize=None)
 def names() -> Tuple[str, ...]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
-from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.contribution import Component, Contribution, Facts, RunShape, Strategy
 from runner.errors import require
 
 
@@ -16,6 +16,7 @@ class AdaptiveLocalSGDConfig(Strategy):
     clipped to [1, 16]; the current k is logged as `localsgd_k`."""
 
     name: ClassVar[str] = "adaptive_localsgd"
+    changes_numerics: ClassVar[bool] = True
 
     init_k_steps: int = 1
     """Averaging period at begin_step, the reference the adapted period scales."""
@@ -25,6 +26,9 @@ class AdaptiveLocalSGDConfig(Strategy):
     def __post_init__(self) -> None:
         require(self.init_k_steps >= 1, "strategy.adaptive_localsgd.init_k_steps", self.init_k_steps, "must be >= 1")
         require(self.begin_step >= 1, "strategy.adaptive_localsgd.begin_step", self.begin_step, "must be >= 1")
+
+    def applies(self, facts: Facts) -> Optional[str]:
+        return None if facts.world_size >= 2 else "one process: no gradients to exchange"
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, List
+from typing import ClassVar, List, Optional
 
-from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.contribution import Component, Contribution, Facts, RunShape, Strategy
 from runner.errors import require
 
 
@@ -16,6 +16,7 @@ class DGCConfig(Strategy):
     communication hook)."""
 
     name: ClassVar[str] = "dgc"
+    changes_numerics: ClassVar[bool] = True
 
     rampup_begin_step: int = 0
     """Step from which gradients are compressed (dense allreduce before)."""
@@ -29,6 +30,11 @@ class DGCConfig(Strategy):
         require(self.rampup_step >= 1, "strategy.dgc.rampup_step", self.rampup_step, "must be >= 1")
         require(bool(self.sparsity) and all(0 <= s < 1 for s in self.sparsity), "strategy.dgc.sparsity",
                 list(self.sparsity), "a non-empty list of values in [0, 1)")
+
+    def applies(self, facts: Facts) -> Optional[str]:
+        if facts.world_size < 2:
+            return "one process: no gradients to exchange"
+        return None if facts.optimizer == "sgd_momentum" else f"DGC corrects momentum SGD; the model's optimizer is {facts.optimizer}"
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(optimizer=Component("plugins.dgc:replace_optimizer", {}),

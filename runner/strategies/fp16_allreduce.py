@@ -3,9 +3,9 @@ out by plugins/fp16_allreduce.py."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
-from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.contribution import Component, Contribution, Facts, RunShape, Strategy
 from runner.errors import require
 
 DTYPES = ("float16", "bfloat16")
@@ -17,6 +17,7 @@ class FP16AllreduceConfig(Strategy):
     in 16 bits and are restored to float32 (torch fp16/bf16 compress hooks)."""
 
     name: ClassVar[str] = "fp16_allreduce"
+    changes_numerics: ClassVar[bool] = True
 
     dtype: str = "float16"
     """Wire type of the gradients: float16 or bfloat16 (wider range, less precision)."""
@@ -24,6 +25,9 @@ class FP16AllreduceConfig(Strategy):
     def __post_init__(self) -> None:
         require(self.dtype in DTYPES, "strategy.fp16_allreduce.dtype", self.dtype, f"allowed: {', '.join(DTYPES)}",
                 DTYPES)
+
+    def applies(self, facts: Facts) -> Optional[str]:
+        return None if facts.world_size >= 2 else "one process: no gradients to exchange"
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(comm_hook=Component("plugins.fp16_allreduce:build_hook", asdict(self)))

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, List
+from typing import ClassVar, List, Optional
 
-from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.contribution import Component, Contribution, Facts, RunShape, Strategy
 from runner.errors import require
 
 
@@ -15,6 +15,7 @@ class LambConfig(Strategy):
     schedulers: Adam's update scaled per tensor by the trust ratio ||w|| / ||update||."""
 
     name: ClassVar[str] = "lamb"
+    changes_numerics: ClassVar[bool] = True
 
     lamb_weight_decay: float = 0.01
     """Decoupled weight decay inside the LAMB update."""
@@ -23,6 +24,9 @@ class LambConfig(Strategy):
 
     def __post_init__(self) -> None:
         require(self.lamb_weight_decay >= 0, "strategy.lamb.lamb_weight_decay", self.lamb_weight_decay, "must be >= 0")
+
+    def applies(self, facts: Facts) -> Optional[str]:
+        return None if facts.optimizer == "adam" else f"LAMB replaces Adam or AdamW; the model's optimizer is {facts.optimizer}"
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(optimizer=Component("plugins.lamb:replace_optimizer", asdict(self)))

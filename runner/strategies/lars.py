@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, List
+from typing import ClassVar, List, Optional
 
-from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.contribution import Component, Contribution, Facts, RunShape, Strategy
 from runner.errors import require
 
 
@@ -15,6 +15,7 @@ class LarsConfig(Strategy):
     schedulers: local_lr = lr * lars_coeff * ||w|| / (||g|| + lars_weight_decay * ||w|| + epsilon)."""
 
     name: ClassVar[str] = "lars"
+    changes_numerics: ClassVar[bool] = True
 
     lars_coeff: float = 0.001
     """Trust coefficient: how far one step may move a tensor relative to its norm."""
@@ -29,6 +30,9 @@ class LarsConfig(Strategy):
         require(self.lars_coeff > 0, "strategy.lars.lars_coeff", self.lars_coeff, "must be > 0")
         require(self.lars_weight_decay >= 0, "strategy.lars.lars_weight_decay", self.lars_weight_decay, "must be >= 0")
         require(self.epsilon >= 0, "strategy.lars.epsilon", self.epsilon, "must be >= 0")
+
+    def applies(self, facts: Facts) -> Optional[str]:
+        return None if facts.optimizer == "sgd_momentum" else f"LARS replaces momentum SGD; the model's optimizer is {facts.optimizer}"
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(optimizer=Component("plugins.lars:replace_optimizer", asdict(self)))

@@ -3,9 +3,9 @@ plugins/localsgd.py."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
-from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.contribution import Component, Contribution, Facts, RunShape, Strategy
 from runner.errors import require
 
 
@@ -16,6 +16,7 @@ class LocalSGDConfig(Strategy):
     averaged every k_steps (torch post-local-SGD hook + periodic model averager)."""
 
     name: ClassVar[str] = "localsgd"
+    changes_numerics: ClassVar[bool] = True
 
     k_steps: int = 1
     """Local steps between two parameter averagings."""
@@ -25,6 +26,9 @@ class LocalSGDConfig(Strategy):
     def __post_init__(self) -> None:
         require(self.k_steps >= 1, "strategy.localsgd.k_steps", self.k_steps, "must be >= 1")
         require(self.begin_step >= 1, "strategy.localsgd.begin_step", self.begin_step, "must be >= 1")
+
+    def applies(self, facts: Facts) -> Optional[str]:
+        return None if facts.world_size >= 2 else "one process: no gradients to exchange"
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional
 
-from runner.contribution import Component, Contribution, RunShape, Strategy
+from runner.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
 from runner.errors import require
 from runner.world import Layout
 
@@ -50,6 +50,28 @@ class PipelineConfig(Strategy):
         low, high = STAGES_PER_PROCESS[self.schedule_mode]
         require(low <= self.vpp_degree and (high is None or self.vpp_degree <= high), KEY + "vpp_degree",
                 self.vpp_degree, f"schedule_mode={self.schedule_mode} needs {low if low == high else f'>= {low}'}")
+
+    def applies(self, facts: Facts) -> Optional[str]:
+        if facts.world_size < 2:
+            return "one process: nothing to split the model over"
+        if facts.blocks < facts.world_size or not facts.has_loss:
+            return f"the model needs a repeated block list of >= {facts.world_size} blocks and a loss(outputs, targets)"
+        if (facts.batch_size or 0) % max(self.accumulate_steps, facts.world_size):
+            return f"data.batch_size={facts.batch_size} does not split into {self.accumulate_steps} micro-batches"
+        return None
+
+    def memory(self, memory: Memory, facts: Facts) -> Memory:
+        """Each process holds its stage (1/world of the model); 1F1B keeps at most `world`
+        micro-batches of activations alive, GPipe all of them."""
+        stages = facts.world_size
+        alive = min(1.0, stages / self.accumulate_steps) if self.schedule_mode == "1F1B" else 1.0
+        return Memory(memory.parameters / stages, memory.gradients / stages, memory.optimizer_states / stages,
+                      memory.activations / stages * alive)
+
+    def speed(self, facts: Facts) -> float:
+        # The bubble: (stages - 1) of (micro-batches + stages - 1) slots idle, on each of `stages`
+        # processes that hold 1/stages of the work: relative to data parallelism over the same processes.
+        return self.accumulate_steps / (self.accumulate_steps + facts.world_size - 1)
 
     def micro_batch(self, batch_size: Optional[int]) -> int:
         """micro_batch_size, resolved from the data's batch size and checked against it."""

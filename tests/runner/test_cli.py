@@ -38,8 +38,8 @@ def test_refused_combination_exits_2_before_hydra_or_torch(lightfleet):
     assert decide_in_process("strategy=[lars,lamb]") == ""
 
 
-def test_strategy_without_plugin_is_refused_by_name(lightfleet):
-    assert_one_line_error(lightfleet("strategy=[amp,auto]"), "lightfleet: refused: auto is not available yet")
+def test_auto_beside_another_strategy_is_refused_in_one_line(lightfleet):
+    assert_one_line_error(lightfleet("strategy=[amp,auto]"), "lightfleet: refused: amp+auto: auto must be used alone")
 
 
 def test_pipeline_with_sharding_stage_2_is_refused_with_the_reason(lightfleet):

@@ -5,18 +5,16 @@ import dataclasses
 
 import pytest
 
-from runner.compat import check, closest, load_table, strategies_from_argv
+from runner.compat import CONF_DIR, check, closest, load_table, strategies_from_argv
 from runner.errors import ConfigError, Refusal
 
 TABLE = load_table()
-# The table as it will be once every Fleet strategy has a plugin: exercises the rules themselves.
-FULL = dataclasses.replace(TABLE, available=frozenset(TABLE.known),
-                           allowed=(frozenset({"amp", "lars"}), frozenset({"amp", "lamb"})))
+# A small table of two rows: exercises the rules themselves.
+FULL = dataclasses.replace(TABLE, allowed=(frozenset({"amp", "lars"}), frozenset({"amp", "lamb"})))
 
 
-def test_available_strategies_are_the_config_files():
-    assert TABLE.available == set(TABLE.known) - {"auto"}
-    assert TABLE.available <= set(TABLE.known)
+def test_known_strategies_are_the_config_files():
+    assert set(TABLE.known) == {path.stem for path in CONF_DIR.joinpath("strategy").glob("*.yaml")}
 
 
 @pytest.mark.parametrize("selection", [[], ["amp"], ["amp", "recompute"], ["recompute", "gradient_merge"],
@@ -28,12 +26,6 @@ def test_subsets_of_allowed_rows_pass(selection):
 def test_unknown_name_suggests_the_near_one():
     with pytest.raises(ConfigError, match=r"strategy='recomput'.*did you mean recompute"):
         check(["amp", "recomput"], TABLE)
-
-
-def test_strategy_without_plugin_is_refused_by_name():
-    available = ", ".join(sorted(TABLE.available))
-    with pytest.raises(Refusal, match=rf"^auto is not available yet \(available: {available}\)$"):
-        check(["auto"], TABLE)
 
 
 def test_named_twice_is_an_error():

@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 
-from runner.errors import ConfigError, Refusal
+from runner.errors import ConfigError
 from runner.schema import TrainerConfig
 
 
@@ -62,9 +62,10 @@ def test_knob_of_unselected_strategy_is_an_error(spec_for):
         spec_for("strategy.amp.init_loss_scaling=1")
 
 
-def test_unavailable_strategy_in_config_is_refused_by_name(spec_for):
-    with pytest.raises(Refusal, match="auto is not available yet"):
-        spec_for("strategy=[auto]")
+def test_auto_composes_with_its_knobs(spec_for):
+    assert spec_for("strategy=[auto]", "strategy.auto.mode=rules").strategies["auto"].mode == "rules"
+    with pytest.raises(ConfigError, match="strategy.auto.mode"):
+        spec_for("strategy=[auto]", "strategy.auto.mode=guess")
 
 
 def test_trainer_schema_covers_lightning_trainer():
