@@ -184,7 +184,7 @@ class RunMeter(pl.Callback):
                            self.step_times[warm:], self.first_step_at or time.time(),
                            **peak_memory_mb(self.device))
         ranks = gather(mine)
-        self.summary = self._summarize(ranks, trainer)
+        self.summary = self._summarize(ranks)
 
     def _pause(self) -> None:
         self._read_clock()
@@ -208,7 +208,7 @@ class RunMeter(pl.Callback):
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name in ("samples_per_s", "tokens_per_s"),
                           rank_zero_only=True)
 
-    def _summarize(self, ranks: List[RankFigures], trainer: pl.Trainer) -> Dict[str, Any]:
+    def _summarize(self, ranks: List[RankFigures]) -> Dict[str, Any]:
         """The run's figures: throughput counts each data-parallel replica once (the ranks of one
         pipeline or tensor-parallel group read the same samples) over the slowest rank's time."""
         replicas = {rank.data_parallel_rank: rank for rank in ranks}.values()

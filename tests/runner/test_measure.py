@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
-from runner.measure import percentile
+from runner.measure import RankFigures, RunMeter, peak_flops, percentile
 from runner.models import GPTDecoder
 
 STEPS = 30
@@ -110,3 +110,30 @@ def test_percentile_is_the_nearest_rank():
     assert percentile([], 0.9) is None
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([float(v) for v in range(1, 11)], 0.9) == 9.0
+
+
+def test_summary_counts_replicas_once_over_the_slowest_rank_and_mfu_is_the_formula():
+    meter = RunMeter(warmup_steps=1)
+    meter.tokens_per_sample, meter.flops_per_sample, meter.peak_flops = 128, 6e9, 1e12
+    meter.data_parallel_size, meter.step_samples, meter.device = 2, [8, 8, 8], torch.device("cpu")
+    # Ranks 0 and 1 read the same samples (a 2-stage pipeline), as do 2 and 3: two replicas.
+    ranks = [RankFigures(replica, 24, 16, [0.1, 0.1 + 0.1 * rank], 0.0, 100.0 + rank, None)
+             for rank, replica in enumerate([0, 0, 1, 1])]
+    summary = meter._summarize(ranks)
+    slowest = 0.1 + 0.4  # rank 3's two measured steps
+    assert summary["samples_per_s"] == pytest.approx((16 + 16) / slowest)
+    assert summary["tokens_per_s"] == pytest.approx(32 / slowest * 128)
+    assert summary["mfu"] == pytest.approx(6e9 * 32 / slowest / (1e12 * 4))  # model FLOP/s over 4 devices' peak
+    assert summary["samples_seen"] == 48 and summary["peak_memory_mb"] == 103.0 and summary["global_batch"] == 16
+
+
+@pytest.mark.parametrize("name, dtype, flops", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4e12),  # Lightning's table
+    ("NVIDIA H200", torch.bfloat16, 989.4e12),  # ours: Lightning's names only H200 SXM1/NVL1 variants
+    ("NVIDIA L40S", torch.float16, 362.05e12),  # ours: Lightning would read it as an L4
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+])
+def test_peak_flops_by_gpu_name_and_dtype(monkeypatch, name, dtype, flops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0), dtype) == pytest.approx(flops)
+    assert peak_flops(torch.device("cpu"), dtype) is None
