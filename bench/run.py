@@ -3,6 +3,7 @@ run (machines are noisy: compare, don't clock). Prints a table and writes a JSON
 
     python bench/run.py                       # every benchmark, results in bench/results.json
     python bench/run.py refusal --repeats 9   # one benchmark
+    python bench/run.py measure               # the cost of runs measuring themselves (runner/measure.py)
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +77,112 @@ def refusal(repeats: int, steps: int) -> Dict[str, object]:
             "goal": "refusal <= 0.3 s and speedup >= 5", "met": refuse <= 0.3 and speedup >= 5, "raw": times}
 
 
-BENCHMARKS = {"end_to_end": end_to_end, "refusal": refusal}
+# Steps left out at the start of the measure benchmark's runs, as RunMeter leaves out its warm-up.
+WARMUP_STEPS = 10
+
+
+def quickstart_measuring(enabled: str, steps: int, tmp: str) -> Callable[[int], List[str]]:
+    """The quickstart experiment with measure.enabled set, its steps after warm-up timed by the same
+    injected callback on both sides (bench/throughput.py's StepWindow, into a JSON file); validation
+    and checkpoints off so the timed window holds training steps only."""
+    def command(i: int) -> List[str]:
+        window = "+callbacks.window."
+        return [sys.executable, "-m", "runner", "experiment=quickstart", f"trainer.max_steps={steps}",
+                f"measure.enabled={enabled}", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0",
+                "callbacks=none", "trainer.enable_checkpointing=false", f"paths.output_dir={tmp}/{enabled}{i}",
+                f"{window}_target_=bench.throughput.StepWindow", f"{window}warmup={WARMUP_STEPS}",
+                f"{window}steps={steps}", f"{window}out={tmp}/window-{enabled}{i}.json"]
+    return command
+
+
+class HookClock:
+    """Wraps every hook `callback`'s class overrides so that each call's duration (time.perf_counter)
+    is kept in `durations[hook]`; notes when the first call began and the last one ended."""
+
+    def __init__(self, callback: Any, base: type) -> None:
+        self.durations: Dict[str, List[float]] = defaultdict(list)
+        self.first = self.last = 0.0
+        for name in dir(type(callback)):
+            if name.startswith("on_") and getattr(type(callback), name) is not getattr(base, name, None):
+                setattr(callback, name, self._timed(name, getattr(callback, name)))
+
+    def _timed(self, name: str, hook: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.last = time.perf_counter()
+                self.first = self.first or start
+                self.durations[name].append(self.last - start)
+        return timed
+
+    def figures(self, steps: int) -> Dict[str, object]:
+        """Seconds inside the hooks as a share of the seconds from the first hook's start to the last
+        one's end (on_train_start to on_train_end: all of training); and the share of a step that
+        logs nothing (the hooks' median calls), which a longer logging interval tends to."""
+        training_s = self.last - self.first
+        inside_s = sum(sum(calls) for calls in self.durations.values())
+        median_s = {name: statistics.median(calls) for name, calls in self.durations.items()}
+        per_step_s = median_s.get("on_train_batch_start", 0.0) + median_s.get("on_train_batch_end", 0.0)
+        return {"hook_share": inside_s / training_s, "step_ms": training_s / steps * 1e3,
+                "hooks_us_per_step": inside_s / steps * 1e6, "quiet_step_share": per_step_s * steps / training_s,
+                "by_hook": {name: {"calls": len(calls), "total_s": sum(calls), "median_us": median_s[name] * 1e6}
+                            for name, calls in self.durations.items()}}
+
+
+def meter_hook_share(steps: int) -> Dict[str, object]:
+    """In this process: the quickstart model and data trained by a plain pl.Trainer (as
+    bench/handwritten.py does, but without validation, checkpoints and logger, so all the time
+    counted is training steps: the strictest share) with a RunMeter whose hooks time themselves."""
+    import pytorch_lightning as pl
+    import torch
+
+    from runner.build import instantiate_checked
+    from runner.config import compose_config
+    from runner.measure import RunMeter
+    from runner.train import quiet_console
+
+    quiet_console(verbose=False)
+    torch.set_num_threads(1)  # as the subprocesses (ENV)
+    cfg = compose_config(["experiment=quickstart"])
+    pl.seed_everything(cfg.seed, verbose=False)
+    meter = RunMeter(cfg.measure.warmup_steps)
+    clock = HookClock(meter, pl.Callback)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=cfg.trainer.log_every_n_steps,
+                         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[meter])
+    trainer.fit(instantiate_checked("model", cfg.model), datamodule=instantiate_checked("data", cfg.data))
+    return clock.figures(steps)
+
+
+def measured_vs_not(repeats: int, steps: int) -> Dict[str, Dict[str, List[float]]]:
+    """Quickstart runs with measure.enabled=true (a) and false (b), interleaved: the seconds of their
+    steps after warm-up and of their whole processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        measured, unmeasured = quickstart_measuring("true", steps, tmp), quickstart_measuring("false", steps, tmp)
+        wall = side_by_side(measured, unmeasured, repeats)
+        steady = {side: [json.loads(Path(f"{tmp}/window-{enabled}{i}.json").read_text())["seconds"]
+                         for i in range(repeats)] for side, enabled in (("a", "true"), ("b", "false"))}
+    return {"steady_s": steady, "wall_s": wall}
+
+
+def measurement_overhead(repeats: int, steps: int) -> Dict[str, object]:
+    """What lightfleet measuring itself (runner/measure.py's RunMeter) costs, on the quickstart MLP,
+    whose steps are short (the shorter the step, the larger the share): steady-state time of the
+    steps after warm-up with measure.enabled=true over false, interleaved; and, because run-to-run
+    noise exceeds 1%, the time inside RunMeter's hooks as a share of training time, in-process
+    (median of `repeats` runs). Goal: hooks <= 1% of step time."""
+    times = measured_vs_not(repeats, steps)
+    runs = sorted((meter_hook_share(steps) for _ in range(repeats)), key=lambda run: run["hook_share"])
+    median_run = runs[len(runs) // 2]
+    return {"steady_state_ratio": paired_ratio(times["steady_s"]), "whole_run_ratio": paired_ratio(times["wall_s"]),
+            "hook_share": median_run["hook_share"], "goal": "hook_share <= 0.01",
+            "met": median_run["hook_share"] <= 0.01, "steps": steps, "warmup_steps": WARMUP_STEPS,
+            "in_process": median_run, "raw": {**times, "hook_shares": [run["hook_share"] for run in runs]}}
+
+
+BENCHMARKS = {"end_to_end": end_to_end, "refusal": refusal, "measure": measurement_overhead}
 
 
 def main() -> None:
@@ -83,7 +190,7 @@ def main() -> None:
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each side (median taken)")
-    parser.add_argument("--steps", type=int, default=3000, help="training steps of the end-to-end runs")
+    parser.add_argument("--steps", type=int, default=3000, help="training steps of the end-to-end and measure runs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     args = parser.parse_args()
     unknown = sorted(set(args.names) - set(BENCHMARKS))
