@@ -45,6 +45,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from runner import report
 
         return report.main(args[1:])
+    if args and args[0] in ("import-fleet", "export-fleet"):
+        from runner import fleet
+
+        return fleet.main(args)
     with exit_on_user_error():
         if args and args[0] in RUN_DIR_COMMANDS:
             args = from_run_dir(args[0], args[1:])

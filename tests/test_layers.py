@@ -21,7 +21,7 @@ LAYERS = [
     ["runner.compat", "runner.plan", "runner.knobs"],
     ["runner.config"],
     ["runner.records"],
-    ["runner.report"],
+    ["runner.report", "runner.fleet"],
     ["plugins.*", "runner.models", "runner.data", "runner.measure"],
     ["runner.build"],
     ["runner.train"],

@@ -1,0 +1,302 @@
+"""`lightfleet import-fleet` and `export-fleet`: Fleet strategy files in and out, the round trip,
+every Fleet field accounted for, and the one-line errors. No training except the one end-to-end
+test through the real command."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+from omegaconf import OmegaConf
+
+from runner import strategies
+from runner.compat import EXPERIMENTS_DIR
+from runner.config import compose_config, plan_for, validate
+from runner.errors import Refusal
+from runner.fleet import (NOT_MAPPED, RENAMED, configured_strategy, knob_of, main, run_command, shortest_float32,
+                          strategy_class)
+from runner.strategies.amp import AmpConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+# The collective-training guide's ResNet-50 strategy, in the field order save_to_prototxt writes.
+# lightfleet's amp lists name module classes (Fleet's name operators), hence LayerNorm.
+RESNET50 = """\
+amp: true
+sync_nccl_allreduce: true
+nccl_comm_num: 2
+fuse_all_reduce_ops: true
+fuse_grad_size_in_MB: 32
+amp_configs {
+  init_loss_scaling: 32768.0
+  use_dynamic_loss_scaling: true
+  custom_black_list: "LayerNorm"
+}
+build_strategy {
+  fuse_elewise_add_act_ops: true
+  fuse_bn_act_ops: true
+  fuse_relu_depthwise_conv: true
+  fuse_broadcast_ops: true
+  fuse_all_optimizer_ops: true
+  enable_inplace: true
+  enable_auto_fusion: true
+}
+execution_strategy {
+  num_threads: 1
+  num_iteration_per_drop_scope: 100
+}
+"""
+RESNET50_NOT_MAPPED = [
+    "sync_nccl_allreduce = true", "nccl_comm_num = 2", "fuse_all_reduce_ops = true", "fuse_grad_size_in_MB = 32",
+    "build_strategy.fuse_elewise_add_act_ops = true", "build_strategy.fuse_bn_act_ops = true",
+    "build_strategy.fuse_relu_depthwise_conv = true", "build_strategy.fuse_broadcast_ops = true",
+    "build_strategy.fuse_all_optimizer_ops = true", "build_strategy.enable_inplace = true",
+    "build_strategy.enable_auto_fusion = true", "execution_strategy.num_threads = 1",
+    "execution_strategy.num_iteration_per_drop_scope = 100",
+]
+NOT_MAPPED_LINE = "lightfleet: import-fleet: not mapped: "
+
+ROUND_TRIPS = {
+    "amp": ["strategy=[amp]"],
+    "amp_recompute_gradient_merge": [
+        "strategy=[amp,recompute,gradient_merge]", "strategy.amp.dtype=bfloat16", "strategy.amp.decr_ratio=0.8",
+        "strategy.amp.incr_every_n_steps=500", "strategy.amp.custom_white_list=[Linear]",
+        "strategy.recompute.checkpoints=[blocks.0,blocks.2]", "strategy.recompute.enable_offload=true",
+        "strategy.gradient_merge.k_steps=4", "strategy.gradient_merge.avg=false"],
+    "sharding_stage2": ["strategy=[sharding]", "strategy.sharding.stage=2", "strategy.sharding.degree=2",
+                        "strategy.sharding.segment_broadcast_MB=0.1"],
+    "dgc_recompute": ["strategy=[dgc,recompute]", "strategy.dgc.rampup_begin_step=10", "strategy.dgc.rampup_step=20",
+                      "strategy.dgc.sparsity=[0.75,0.9375,0.984375,0.996,0.999]"],
+    "lamb": ["strategy=[lamb]", "strategy.lamb.lamb_weight_decay=0.02",
+             "strategy.lamb.exclude_from_weight_decay=[bias,norm]"],
+    "pipeline_gpipe": ["strategy=[pipeline]", "strategy.pipeline.schedule_mode=GPipe",
+                       "strategy.pipeline.accumulate_steps=8", "strategy.pipeline.micro_batch_size=4"],
+}
+
+
+def import_text(tmp_path: Path, text: str, name: str = "imported") -> Path:
+    """Import `text` as a Fleet file into tmp_path/cfg/experiment/NAME.yaml."""
+    source = tmp_path / f"{name}.prototxt"
+    source.write_text(text)
+    experiment = tmp_path / "cfg" / "experiment" / f"{name}.yaml"
+    assert main(["import-fleet", str(source), "-o", str(experiment)]) == 0
+    return experiment
+
+
+def imported_strategies(experiment: Path) -> Dict[str, object]:
+    """The checked strategies of the experiment, composed as `lightfleet --config-dir` would."""
+    cfg = compose_config([f"experiment={experiment.stem}"], config_dir=str(experiment.parent.parent))
+    return validate(cfg).strategies
+
+
+def saved_run(tmp_path: Path, overrides: List[str]) -> Path:
+    """A run directory holding the config.yaml of these overrides, as a run saves it: every
+    strategy named, null unless selected."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    OmegaConf.save(compose_config(overrides), run_dir / "config.yaml")
+    return run_dir
+
+
+def not_mapped(stderr: str) -> List[str]:
+    return [line[len(NOT_MAPPED_LINE):] for line in stderr.splitlines() if line.startswith(NOT_MAPPED_LINE)]
+
+
+@pytest.mark.parametrize("overrides", ROUND_TRIPS.values(), ids=list(ROUND_TRIPS))
+def test_import_of_an_export_gives_the_same_strategy(tmp_path, capsys, overrides):
+    run_dir = saved_run(tmp_path, overrides)
+    assert main(["export-fleet", str(run_dir)]) == 0
+    experiment = tmp_path / "cfg" / "experiment" / "back.yaml"
+    assert main(["import-fleet", str(run_dir / "fleet_strategy.prototxt"), "-o", str(experiment)]) == 0
+    assert capsys.readouterr().err == ""  # every knob exported, every field mapped back
+    expected = validate(compose_config(overrides)).strategies
+    assert list(imported_strategies(experiment).items()) == list(expected.items())
+
+
+def test_export_writes_fleet_names_and_values(tmp_path, capsys):
+    run_dir = saved_run(tmp_path, ROUND_TRIPS["pipeline_gpipe"])
+    main(["export-fleet", str(run_dir), "-o", str(tmp_path / "out.prototxt")])
+    lines = (tmp_path / "out.prototxt").read_text().splitlines()
+    assert lines[0].startswith("# Fleet DistributedStrategy written by `lightfleet export-fleet`")
+    assert lines[1:] == ["pipeline: true", "pipeline_configs {", "  micro_batch_size: 4", "  accumulate_steps: 8",
+                         '  schedule_mode: "F-then-B"', "}"]
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'out.prototxt'}\n"
+
+
+def test_knobs_fleet_cannot_hold_are_listed_on_export(tmp_path, capsys):
+    main(["export-fleet", str(saved_run(tmp_path, ["strategy=[fp16_allreduce,sharding]",
+                                                   "strategy.fp16_allreduce.dtype=bfloat16"]))])
+    assert capsys.readouterr().err.splitlines() == [
+        'lightfleet: export-fleet: not exported: strategy.fp16_allreduce.dtype = "bfloat16": Fleet has no field for it',
+        "lightfleet: export-fleet: not exported: strategy.sharding.degree = null: Fleet has no null; "
+        "Fleet's default 8 applies"]
+
+
+def test_resnet50_strategy_imports_as_amp_with_its_knobs(tmp_path, capsys):
+    experiment = import_text(tmp_path, RESNET50, "fleet_resnet")
+    err = capsys.readouterr().err
+    listed = not_mapped(err)
+    assert [line.split(": ")[0] for line in listed] == RESNET50_NOT_MAPPED  # each once, in the file's order
+    assert all(len(line.split(": ", 1)[1]) > 10 for line in listed)  # each with its reason
+    assert "lightfleet: import-fleet: not mapped: nccl_comm_num = 2: collective knob, not mapped yet" in err
+    assert imported_strategies(experiment) == {
+        "amp": AmpConfig(init_loss_scaling=32768.0, use_dynamic_loss_scaling=True, custom_black_list=["LayerNorm"])}
+    head = experiment.read_text().splitlines()
+    assert head[:3] == ["# @package _global_",
+                        f"# Imported from the Fleet strategy file {tmp_path / 'fleet_resnet.prototxt'} by "
+                        "`lightfleet import-fleet`.",
+                        f"# Run: lightfleet --config-dir {tmp_path / 'cfg'} experiment=fleet_resnet"]
+    assert "#   execution_strategy.num_threads = 1: static-graph executor setting; PyTorch runs eagerly" in head
+
+
+def test_import_train_and_export_through_the_command(lightfleet, tmp_path):
+    (tmp_path / "resnet50.prototxt").write_text(RESNET50)
+    done = lightfleet("import-fleet", "resnet50.prototxt", "-o", "cfg/experiment/fleet_resnet.yaml")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("run: lightfleet --config-dir cfg experiment=fleet_resnet")
+    done = lightfleet("--config-dir", "cfg", "experiment=fleet_resnet", "trainer.max_steps=3",
+                      "trainer.enable_progress_bar=false", "paths.output_dir=run")
+    assert done.returncode == 0, done.stderr
+    done = lightfleet("export-fleet", "run")
+    assert done.returncode == 0, done.stderr
+    exported = (tmp_path / "run" / "fleet_strategy.prototxt").read_text().splitlines()
+    assert "amp: true" in exported and '  custom_black_list: "LayerNorm"' in exported
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("lars: true\nlamb: true\nlars_configs {\n  lars_coeff: 0.002\n}\n",
+     "refused: lamb+lars is not an allowed combination (lamb+lars: both replace the optimizer); "
+     "closest allowed: amp+lamb, amp+lars, lamb+recompute"),
+    ("amp: true\namp_configs {\n  decr_ratio: 1.5\n}\n", "error: strategy.amp.decr_ratio=1.5: must be in (0, 1)"),
+], ids=["forbidden_combination", "out_of_range_knob"])
+def test_a_strategy_that_would_not_run_is_written_marked(tmp_path, capsys, text, problem):
+    experiment = import_text(tmp_path, text)
+    out, err = capsys.readouterr()
+    assert f"lightfleet: {problem}" in err.splitlines()
+    assert "(marked: it needs a choice)" in out
+    lines = experiment.read_text().splitlines()
+    assert lines[:2] == ["# @package _global_", f"# NEEDS A CHOICE before it runs: {problem}"]
+
+
+def test_the_marked_forbidden_combination_composes_and_is_refused_when_run(tmp_path, capsys):
+    experiment = import_text(tmp_path, "lars: true\nlamb: true\nlars_configs {\n  lars_coeff: 0.002\n}\n")
+    cfg = compose_config([f"experiment={experiment.stem}"], config_dir=str(tmp_path / "cfg"))
+    spec = validate(cfg)
+    assert list(spec.strategies) == ["lamb", "lars"] and spec.strategies["lars"].lars_coeff == 0.002
+    with pytest.raises(Refusal, match="lamb\\+lars is not an allowed combination"):
+        plan_for(spec)
+
+
+def test_unknown_fields_are_warned_and_the_rest_imported(tmp_path, capsys):
+    text = ("amp: true\nfuture_switch: true\namp_configs {\n  use_promote: true\n  init_loss_scaling: 1024\n}\n"
+            "future_configs {\n  depth {\n    inner: 1\n  }\n}\n")
+    experiment = import_text(tmp_path, text)
+    assert capsys.readouterr().err.splitlines() == [
+        "lightfleet: import-fleet: warning: unknown Fleet fields skipped: future_switch, amp_configs.use_promote, "
+        "future_configs"]
+    assert imported_strategies(experiment) == {"amp": AmpConfig(init_loss_scaling=1024.0)}
+
+
+def test_knobs_of_a_strategy_that_is_off_are_listed_not_applied(tmp_path, capsys):
+    experiment = import_text(tmp_path, "amp: false\nrecompute: true\namp_configs {\n  init_loss_scaling: 1024\n}\n")
+    assert not_mapped(capsys.readouterr().err) == ["amp_configs.init_loss_scaling = 1024.0: amp is off in this file "
+                                                   "(amp: false)"]
+    assert list(imported_strategies(experiment)) == ["recompute"]
+
+
+def test_fleet_names_that_differ_are_translated(tmp_path, capsys):
+    text = ('amp: true\nsharding: true\npipeline: true\namp_configs {\n  use_pure_bf16: true\n}\n'
+            'sharding_configs {\n  sharding_degree: 2\n  pp_degree: 2\n}\n'
+            'pipeline_configs {\n  schedule_mode: "FThenB"\n  accumulate_steps: 2\n}\n')
+    found = imported_strategies(import_text(tmp_path, text))
+    assert found["amp"].dtype == "bfloat16"
+    assert (found["sharding"].degree, found["sharding"].pp_degree) == (2, 2)
+    assert found["pipeline"].schedule_mode == "GPipe"
+
+
+def test_default_output_is_the_file_stem_in_the_current_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "strategy.prototxt").write_text("recompute: true\n")
+    assert main(["import-fleet", "strategy.prototxt"]) == 0
+    assert (tmp_path / "strategy.yaml").is_file()
+    assert capsys.readouterr().out == ("wrote strategy.yaml; run: move it to DIR/experiment/strategy.yaml, then: "
+                                       "lightfleet --config-dir DIR experiment=strategy\n")
+    assert run_command(EXPERIMENTS_DIR / "mine.yaml") == "lightfleet experiment=mine"
+
+
+def error_of(capsys, *args: str) -> str:
+    """The one stderr line of a command that must fail with exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    missing, bad, taken = tmp_path / "missing.prototxt", tmp_path / "bad.prototxt", tmp_path / "taken.yaml"
+    bad.write_text("amp: maybe\n")
+    taken.write_text("")
+    (tmp_path / "ok.prototxt").write_text("amp: true\n")
+    assert error_of(capsys, "import-fleet", str(missing)).startswith(f"lightfleet: error: {missing}: no such file")
+    assert error_of(capsys, "import-fleet", str(bad)).startswith(
+        f"lightfleet: error: {bad}: not a Fleet strategy in protobuf text format: 1:")
+    assert error_of(capsys, "import-fleet", str(tmp_path / "ok.prototxt"), "-o", str(taken)) == (
+        f"lightfleet: error: {taken}: exists; lightfleet never overwrites a file (choose another -o)")
+    assert error_of(capsys, "import-fleet") == (
+        "lightfleet: error: lightfleet import-fleet: the following arguments are required: FILE")
+    assert error_of(capsys, "export-fleet", str(tmp_path)) == (
+        f"lightfleet: error: {tmp_path}: no config.yaml: not a run directory")
+    (tmp_path / "config.yaml").write_text("strategy: {amp: null}\n")
+    assert error_of(capsys, "export-fleet", str(tmp_path), "-o", str(taken)) == (
+        f"lightfleet: error: {taken}: exists; lightfleet never overwrites a file (choose another -o)")
+
+
+def leaf_fields() -> Iterator[Tuple[str, str, str]]:
+    """(path, config message field or "", field name) of every field of our DistributedStrategy."""
+    for field in strategy_class().DESCRIPTOR.fields:
+        if field.message_type is None:
+            yield field.name, "", field.name
+        else:
+            yield from ((f"{field.name}.{sub.name}", field.name, sub.name) for sub in field.message_type.fields)
+
+
+def test_every_fleet_field_has_a_lightfleet_key_or_a_reason():
+    for path, config, name in leaf_fields():
+        strategy = configured_strategy(config) if config else None
+        mapped = name in strategies.names() if not config else bool(strategy and knob_of(strategy, name))
+        reason = NOT_MAPPED.get(path, NOT_MAPPED.get(config))
+        assert mapped != bool(reason), f"{path}: mapped={mapped}, reason={reason!r}"
+    paths = {path for path, _, _ in leaf_fields()} | {field.name for field in strategy_class().DESCRIPTOR.fields}
+    assert set(NOT_MAPPED) <= paths, sorted(set(NOT_MAPPED) - paths)
+
+
+def test_every_strategy_has_a_fleet_switch_and_renamed_knobs_exist():
+    fields = strategy_class().DESCRIPTOR.fields_by_name
+    assert set(strategies.names()) <= set(fields)
+    for (strategy, knob), (fleet_name, _, _) in RENAMED.items():
+        assert knob in strategies.schemas()[strategy].__dataclass_fields__
+        assert fleet_name in fields[f"{strategy}_configs"].message_type.fields_by_name
+
+
+def test_docs_name_every_fleet_field():
+    doc = (PROJECT_ROOT / "docs" / "fleet.md").read_text()
+    missing = [path for path, config, _ in leaf_fields() if f"`{path}" not in doc and f"`{config}.*`" not in doc]
+    assert not missing
+
+
+def test_the_commands_import_nothing_heavy(tmp_path):
+    (tmp_path / "in.prototxt").write_text(RESNET50)
+    code = ("import sys\nfrom runner.cli import main\n"
+            "main(['import-fleet', 'in.prototxt', '-o', 'out/experiment/x.yaml'])\n"
+            "print(','.join(m for m in ('torch', 'pytorch_lightning', 'hydra', 'omegaconf') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == ""
+
+
+def test_floats_come_back_as_written():
+    assert [shortest_float32(x) for x in (0.999, 0.0005, 32768.0, 0.1, 1e-8)] == [0.999, 0.0005, 32768.0, 0.1, 1e-8]
