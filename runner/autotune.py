@@ -30,7 +30,7 @@ from runner.errors import ConfigError, Refusal
 from runner.plan import Plan
 from runner.records import create_run_dir, write_yaml
 from runner.strategies import schemas
-from runner.strategies.auto import AutoConfig, Candidate, candidates, considered, rules
+from runner.strategies.auto import AutoConfig, Candidate, candidates, considered, rules, trial_order
 from runner.world import World
 
 # What a trial leaves out: it only measures speed and memory.
@@ -72,20 +72,22 @@ def facts_of(spec: RunSpec, auto: AutoConfig) -> Facts:
 
 def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: Path, command: Sequence[str],
            facts: Facts, rows: Sequence[Any]) -> Tuple[Candidate, Dict[str, str]]:
-    """Trial the candidates, fastest estimate first, until the budget is spent; the highest
-    measured samples/s wins (rules decide when no trial finished)."""
+    """Trial the candidates in `trial_order` until the budget is spent; the highest measured
+    samples/s wins (rules decide when no trial finished)."""
     started, tried = time.monotonic(), 0
-    waiting = [c for c in listed if c.status == "candidate"]
-    for number, c in enumerate(listed):
-        if c.status != "candidate":
-            continue
+    pending = [(number, c) for number, c in enumerate(listed) if c.status == "candidate"]
+    total = len(pending)
+    while pending:
+        done = [c for c in listed if c.status == "ok"]
+        pending.sort(key=lambda item: trial_order(item[1], done, facts))
+        number, c = pending.pop(0)
         if time.monotonic() - started > auto.budget_s or (auto.max_trials is not None and tried >= auto.max_trials):
             c.status, c.reason = "not tried", "budget spent"
             continue
         tried += 1
         run_trial(spec, c, auto, auto_dir / "trials" / str(number), command)
         figures = f"{c.measured['samples_per_s']:,.1f} samples/s" if c.status == "ok" else f"{c.status}: {c.reason}"
-        print(f"auto: trial {tried}/{len(waiting)} {c.label}: {figures}", flush=True)
+        print(f"auto: trial {tried}/{total} {c.label}: {figures}", flush=True)
     finished = sorted((c for c in listed if c.status == "ok"), key=lambda c: -c.measured["samples_per_s"])
     if not finished:
         winner, why = rules(facts, auto, rows)
