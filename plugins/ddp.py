@@ -37,5 +37,6 @@ class FleetDDPStrategy(DDPStrategy):
         self.model.register_comm_hook(self.comm_hook_state, hook)
 
 
-def build_ddp(comm_hook: Optional[HookFactory] = None) -> FleetDDPStrategy:
-    return FleetDDPStrategy(comm_hook=comm_hook)
+def build_ddp(comm_hook: Optional[HookFactory] = None, **ddp_kwargs: Any) -> FleetDDPStrategy:
+    """`ddp_kwargs` go to DistributedDataParallel (collective.*: bucket_cap_mb, find_unused_parameters)."""
+    return FleetDDPStrategy(comm_hook=comm_hook, **ddp_kwargs)

@@ -4,6 +4,7 @@ The user's LightningModule and DataModule are instantiated by `_target_`; the pl
 transforms run in the model's `configure_model` (plugins/transforms.py), its optimizer
 replacement wraps the model's `configure_optimizers`, and its precision plugin, Lightning
 strategy (with the communication hook), trainer arguments and callbacks go to the Trainer.
+The collective knobs (plugins/collective.py) join in at each of these places.
 The user's code never has to know which strategies are on.
 """
 from __future__ import annotations
@@ -20,18 +21,21 @@ import pytorch_lightning as pl
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.utilities import rank_zero_info
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from plugins import collective
 from plugins.transforms import Transform, transform_in_configure_model
 from runner.config import RunSpec
 from runner.errors import ConfigError
 from runner.measure import RunMeter
 from runner.plan import Plan
 from runner.records import write_yaml
+from runner.schema import CollectiveConfig
 
+DDP_TARGET = "plugins.ddp:build_ddp"  # lightfleet's DDP, which takes the collective knobs' DDP arguments
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 # A scheduler re-pointed by `replace_optimizers` warns that its optimizer's step "has been
 # overridden": the replacement is deliberate, and the scheduler still steps after the optimizer.
@@ -81,9 +85,14 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     model = instantiate_checked("model", cfg.model)
     datamodule = instantiate_checked("data", cfg.data)
 
-    transform_in_configure_model(model, model_transforms(plan), partial(record_transforms, model, plan, run_dir))
+    collective_config: CollectiveConfig = OmegaConf.to_object(cfg.collective)  # its __post_init__ checks ranges
+    uses_ddp = plan.lightning_strategy is not None and plan.lightning_strategy.component.target == DDP_TARGET
+    collective_lines = collective.describe(collective_config, uses_ddp, "sharding" in plan.strategies)
+    transform_in_configure_model(model, model_transforms(plan),
+                                 partial(record_transforms, model, plan, run_dir, collective_lines))
 
     trainer_args = asdict(spec.trainer)
+    trainer_args.update(collective.trainer_args(collective_config, spec.trainer, device))
     trainer_args.update({arg: claim["value"] for arg, claim in plan.trainer_args.items()})
     plugins: List[Any] = []
     if plan.precision is not None:
@@ -91,24 +100,37 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     if plan.optimizer is not None:
         replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
                                           **plan.optimizer.component.kwargs))
+    apply_collective_to_model(model, collective_config)
     # The plan's callbacks first: the user's then see what the strategies did (summed gradients, averaged parameters).
     callbacks = [claim.component.load()(**claim.component.kwargs) for claim in plan.callbacks]
     callbacks += [instantiate_checked(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node]
     meter = RunMeter(cfg.measure.warmup_steps) if cfg.measure.enabled else None
     callbacks += [meter] if meter else []
-    trainer = pl.Trainer(**trainer_args, strategy=lightning_strategy(plan), plugins=plugins, callbacks=callbacks,
+    callbacks.append(collective.CollectiveSetup(collective_config))
+    strategy = lightning_strategy(plan, collective.ddp_kwargs(collective_config) if uses_ddp else None)
+    trainer = pl.Trainer(**trainer_args, strategy=strategy, plugins=plugins, callbacks=callbacks,
                          logger=loggers(cfg), default_root_dir=str(run_dir))
     return Built(trainer, model, datamodule, meter)
 
 
-def lightning_strategy(plan: Plan) -> Any:
-    """The plan's Lightning strategy, given its communication hook; "auto" (Lightning's choice) if none."""
+def lightning_strategy(plan: Plan, ddp_kwargs: Optional[Dict[str, Any]] = None) -> Any:
+    """The plan's Lightning strategy, given its communication hook and (lightfleet's DDP) the
+    collective knobs' DDP arguments; "auto" (Lightning's choice) if none."""
     if plan.lightning_strategy is None:
         return "auto"
-    kwargs = dict(plan.lightning_strategy.component.kwargs)
+    kwargs = {**plan.lightning_strategy.component.kwargs, **(ddp_kwargs or {})}
     if plan.comm_hook is not None:
         kwargs["comm_hook"] = partial(plan.comm_hook.component.load(), **plan.comm_hook.component.kwargs)
     return plan.lightning_strategy.component.load()(**kwargs)
+
+
+def apply_collective_to_model(model: pl.LightningModule, config: CollectiveConfig) -> None:
+    """torch.compile (op fusion) in `configure_model` after the plan's transforms, so it compiles
+    the model they changed; foreach optimizers (optimizer fusion) after the plan's replacement."""
+    if collective.compiles(config):
+        transform_in_configure_model(model, [(collective.compile_model, {})])
+    if config.build_strategy.fuse_all_optimizer_ops:
+        replace_optimizers(model, collective.use_foreach)
 
 
 def model_transforms(plan: Plan) -> List[Transform]:
@@ -116,9 +138,14 @@ def model_transforms(plan: Plan) -> List[Transform]:
     return [(claim.component.load(), claim.component.kwargs) for claim in plan.model_transforms]
 
 
-def record_transforms(model: pl.LightningModule, plan: Plan, run_dir: Path, changed: List[List[str]]) -> None:
-    """Say what each model transform changed, and write it with the device into build.yaml (rank 0)."""
-    resolved = {"device_type": model.trainer.strategy.root_device.type, "model_transforms": []}
+def record_transforms(model: pl.LightningModule, plan: Plan, run_dir: Path, collective_lines: List[str],
+                      changed: List[List[str]]) -> None:
+    """Say what each model transform changed and what the collective knobs do, and write it with
+    the device into build.yaml (rank 0)."""
+    resolved = {"device_type": model.trainer.strategy.root_device.type, "model_transforms": [],
+                "collective": collective_lines}
+    for line in collective_lines:
+        rank_zero_info(f"lightfleet: {line}")
     for claim, names in zip(plan.model_transforms, changed, strict=True):
         resolved["model_transforms"].append({"by": claim.by, "phase": claim.phase, "modules": names})
         rank_zero_info(f"lightfleet: {claim.by} ({claim.phase}) applied to: {', '.join(names)}")

@@ -160,6 +160,8 @@ def validate(cfg: DictConfig) -> RunSpec:
         merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), plain)
         strategies = {name: OmegaConf.to_object(node) for name, node in merged.strategy.items() if node is not None}
         trainer = OmegaConf.to_object(merged.trainer)
+        for node in ("measure", "collective"):  # their range checks, before anything is created
+            OmegaConf.to_object(merged[node])
     except OmegaConfBaseException as error:
         raise _explain(error) from None
     return RunSpec(merged, strategies, trainer)

@@ -5,9 +5,10 @@ writes them) in and out of lightfleet.
 The message definition is ours: MESSAGES names Fleet's fields with Fleet's numbers and types, and
 is built into message classes in Python (no protoc step). A Fleet switch that is on selects the
 lightfleet strategy of that name; a field of `<strategy>_configs` sets the knob of that name
-(RENAMED lists the exceptions). Every other field the file sets is listed with why it has no
-lightfleet meaning (NOT_MAPPED), and written into the experiment as a comment: nothing is dropped
-silently. Export writes the knobs back, so importing an export gives the same strategy.
+(RENAMED lists the exceptions); a collective-training field sets the `collective.*` knob of its
+path (collective_fields). Every other field the file sets is listed with why it has no lightfleet
+meaning (NOT_MAPPED), and written into the experiment as a comment: nothing is dropped silently.
+Export writes the knobs back, so importing an export gives the same strategy.
 docs/fleet.md has the whole table.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 from google.protobuf.descriptor import FieldDescriptor
 
 from runner import strategies
+from runner.schema import CollectiveConfig, collective_knobs
 from runner.compat import EXPERIMENTS_DIR, check, load_table
 from runner.errors import ConfigError, Refusal, exit_on_user_error
 
@@ -140,8 +142,7 @@ RENAMED: Dict[Tuple[str, str], Tuple[str, Callable[[Any], Any], Callable[[Any], 
 
 PARAMETER_SERVER = "parameter-server training; lightfleet trains collectively"
 STATIC_GRAPH = "static-graph (program) setting; PyTorch runs eagerly"
-ALLREDUCE = "collective knob, not mapped yet: PyTorch DDP buckets and schedules the gradient allreduces itself"
-CUDNN = "cuDNN setting, not mapped yet: PyTorch picks cuDNN algorithms and workspaces itself"
+ALLREDUCE = "collective knob without a PyTorch counterpart: DDP buckets and schedules the gradient allreduces itself"
 TENSOR_PARALLEL = "tensor parallelism is strategy.sharding.mp_degree in lightfleet (stages 2 and 3); set it by hand"
 SEGMENTS = "lightfleet groups sharded units by segment_broadcast_MB only"
 # Why a Fleet field has no lightfleet meaning. A sub-message's entry covers all its fields.
@@ -150,16 +151,13 @@ NOT_MAPPED = {
     "elastic": "elastic training is not supported",
     "a_sync": PARAMETER_SERVER, "a_sync_configs": PARAMETER_SERVER, "adam_d2sum": PARAMETER_SERVER,
     "heter_ccl_mode": PARAMETER_SERVER,
-    "sync_nccl_allreduce": ALLREDUCE, "nccl_comm_num": ALLREDUCE, "use_hierarchical_allreduce": ALLREDUCE,
-    "hierarchical_allreduce_inter_nranks": ALLREDUCE, "fuse_all_reduce_ops": ALLREDUCE,
-    "fuse_grad_size_in_MB": ALLREDUCE + " (DDP's bucket_cap_mb is the counterpart)",
     "fuse_grad_size_in_num": ALLREDUCE, "last_comm_group_size_MB": ALLREDUCE, "calc_comm_same_stream": ALLREDUCE,
-    "fuse_grad_size_in_TFLOPS": STATIC_GRAPH, "without_graph_optimization": STATIC_GRAPH,
-    "fuse_grad_merge": STATIC_GRAPH, "build_strategy": STATIC_GRAPH,
-    "execution_strategy": "static-graph executor setting; PyTorch runs eagerly",
-    "find_unused_parameters": "DDP knob, not mapped yet (Lightning's DDPStrategy(find_unused_parameters=True))",
-    "sync_batch_norm": "not mapped yet (torch.nn.SyncBatchNorm.convert_sync_batchnorm is the counterpart)",
-    "cudnn_exhaustive_search": CUDNN, "conv_workspace_size_limit": CUDNN, "cudnn_batchnorm_spatial_persistent": CUDNN,
+    "without_graph_optimization": STATIC_GRAPH, "fuse_grad_merge": STATIC_GRAPH,
+    **{f"build_strategy.{name}": STATIC_GRAPH for name in (
+        "enable_sequential_execution", "fuse_broadcast_ops", "enable_backward_optimizer_op_deps",
+        "cache_runtime_context", "fuse_bn_add_act_ops", "enable_addto", "fix_op_run_order",
+        "allow_cuda_graph_capture", "reduce_strategy")},
+    "execution_strategy.use_thread_barrier": "static-graph executor setting; PyTorch runs eagerly",
     "tensor_parallel": TENSOR_PARALLEL, "tensor_parallel_configs": TENSOR_PARALLEL,
     "hybrid_configs": "dygraph hybrid-parallel degrees: set strategy.sharding's degree, dp_degree, mp_degree "
                       "and pp_degree by hand",
@@ -187,6 +185,22 @@ class Imported:
 
     strategies: Dict[str, Dict[str, Any]]  # selected strategy -> the knobs the file sets
     not_mapped: List[str]  # "field = value: why", one per field the file sets without a lightfleet meaning
+    collective: Dict[str, Any] = dataclasses.field(default_factory=dict)  # collective.* key -> value
+
+
+@functools.lru_cache(maxsize=None)
+def collective_fields() -> Tuple[str, ...]:
+    """The Fleet fields (paths: build_strategy.fuse_bn_act_ops) that are the collective.* knob of
+    the same path; lightfleet's other collective knobs have no Fleet field."""
+    return tuple(key for key in collective_knobs(CollectiveConfig()) if has_fleet_field(key))
+
+
+def has_fleet_field(path: str) -> bool:
+    message = strategy_class().DESCRIPTOR
+    *holders, name = path.split(".")
+    for holder in holders:
+        message = message.fields_by_name[holder].message_type
+    return name in message.fields_by_name
 
 
 # ---- the message definition --------------------------------------------------------------------------
@@ -322,6 +336,9 @@ def translate(message: Any) -> Imported:
     for field, value in message.ListFields():  # the fields the file sets
         if field.name in strategies.names():
             continue
+        if field.name in collective_fields():
+            imported.collective[field.name] = plain(field, value)
+            continue
         if field.message_type is None:
             imported.not_mapped.append(unmapped(field.name, field, value, NOT_MAPPED[field.name]))
             continue
@@ -334,7 +351,9 @@ def take_config_field(imported: Imported, config: str, field: FieldDescriptor, v
     path = f"{config}.{field.name}"
     strategy = configured_strategy(config)
     knob = knob_of(strategy, field.name) if strategy else None
-    if knob is None:
+    if path in collective_fields():
+        imported.collective[path] = plain(field, value)
+    elif knob is None:
         imported.not_mapped.append(unmapped(path, field, value, NOT_MAPPED.get(path, NOT_MAPPED.get(config))))
     elif strategy not in imported.strategies:
         imported.not_mapped.append(unmapped(path, field, value, f"{strategy} is off in this file ({strategy}: false)"))
@@ -387,7 +406,21 @@ def experiment_text(imported: Imported, source: Path, experiment: Path, found: L
     knobs = {name: values for name, values in imported.strategies.items() if values}
     if knobs:
         body["strategy"] = knobs
+    if imported.collective:
+        body["collective"] = nested(imported.collective)
     return "\n".join(lines) + "\n" + yaml.safe_dump(body, sort_keys=False, default_flow_style=None)
+
+
+def nested(knobs: Dict[str, Any]) -> Dict[str, Any]:
+    """{"a.b": 1} as {"a": {"b": 1}}."""
+    out: Dict[str, Any] = {}
+    for key, value in knobs.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return out
 
 
 def import_fleet(source: Path, output: Optional[str]) -> int:
@@ -411,15 +444,39 @@ def import_fleet(source: Path, output: Optional[str]) -> int:
 
 # ---- export ----------------------------------------------------------------------------------------------
 
-def read_run_strategy(run_dir: Path) -> Dict[str, Dict[str, Any]]:
-    """The selected strategies of the run in `run_dir` and their knobs, from its config.yaml."""
+def read_run_config(run_dir: Path) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any]]:
+    """The selected strategies of the run in `run_dir` with their knobs, and its collective.*
+    knobs by key (defaults where the run predates them), from its config.yaml."""
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise ConfigError(str(run_dir), None, "no config.yaml: not a run directory")
-    node = (yaml.safe_load(config.read_text()) or {}).get("strategy")
+    saved = yaml.safe_load(config.read_text()) or {}
+    node = saved.get("strategy")
     if not isinstance(node, dict):
         raise ConfigError(str(config), None, "has no strategy mapping")
-    return {name: knobs for name, knobs in node.items() if knobs is not None}
+    collective = collective_knobs(CollectiveConfig())
+    collective.update(collective_knobs(saved.get("collective") or {}))
+    return {name: knobs for name, knobs in node.items() if knobs is not None}, collective
+
+
+def export_collective(message: Any, knobs: Dict[str, Any]) -> List[str]:
+    """Set the collective knobs away from lightfleet's defaults on the message; the lines saying
+    why one could not be. One at its default is left out (num_threads 0 then reads as Fleet's 1)."""
+    left_out = []
+    defaults = collective_knobs(CollectiveConfig())
+    for key, value in knobs.items():
+        if value == defaults[key]:
+            continue
+        *parent, name = key.split(".")
+        holder = getattr(message, parent[0]) if parent else message
+        field = holder.DESCRIPTOR.fields_by_name.get(name) if key in collective_fields() else None
+        if field is None or value is None:
+            left_out.append(f"collective.{key} = {json.dumps(value)}: Fleet has no field for it")
+        elif field.type == FieldDescriptor.TYPE_INT32 and value != int(value):
+            left_out.append(f"collective.{key} = {json.dumps(value)}: Fleet's field is an integer")
+        else:
+            setattr(holder, name, int(value) if field.type == FieldDescriptor.TYPE_INT32 else value)
+    return left_out
 
 
 def to_fleet(selected: Dict[str, Dict[str, Any]]) -> Tuple[Any, List[str]]:
@@ -466,7 +523,9 @@ def export_knob(message: Any, strategy: str, knob: str, value: Any, default: Any
 def export_fleet(run_dir: Path, output: Optional[str]) -> int:
     target = Path(output) if output else run_dir / "fleet_strategy.prototxt"
     refuse_existing(target)
-    message, left_out = to_fleet(read_run_strategy(run_dir))
+    selected, collective = read_run_config(run_dir)
+    message, left_out = to_fleet(selected)
+    left_out += export_collective(message, collective)
     for line in left_out:
         say(f"export-fleet: not exported: {line}")
     header = f"# Fleet DistributedStrategy written by `lightfleet export-fleet` from the run directory {run_dir}\n"

@@ -9,14 +9,15 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from runner import strategies
 from runner.compat import EXPERIMENTS_DIR
 from runner.config import compose_config, plan_for, validate
 from runner.errors import Refusal
-from runner.fleet import (NOT_MAPPED, RENAMED, configured_strategy, knob_of, main, run_command, shortest_float32,
-                          strategy_class)
+from runner.fleet import (NOT_MAPPED, RENAMED, collective_fields, configured_strategy, knob_of, main, run_command,
+                          shortest_float32, strategy_class)
 from runner.strategies.amp import AmpConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -48,14 +49,13 @@ execution_strategy {
   num_iteration_per_drop_scope: 100
 }
 """
-RESNET50_NOT_MAPPED = [
-    "sync_nccl_allreduce = true", "nccl_comm_num = 2", "fuse_all_reduce_ops = true", "fuse_grad_size_in_MB = 32",
-    "build_strategy.fuse_elewise_add_act_ops = true", "build_strategy.fuse_bn_act_ops = true",
-    "build_strategy.fuse_relu_depthwise_conv = true", "build_strategy.fuse_broadcast_ops = true",
-    "build_strategy.fuse_all_optimizer_ops = true", "build_strategy.enable_inplace = true",
-    "build_strategy.enable_auto_fusion = true", "execution_strategy.num_threads = 1",
-    "execution_strategy.num_iteration_per_drop_scope = 100",
-]
+RESNET50_NOT_MAPPED = ["build_strategy.fuse_broadcast_ops = true"]
+RESNET50_COLLECTIVE = {  # the rest of its collective fields, as collective.* knobs
+    "sync_nccl_allreduce": True, "nccl_comm_num": 2, "fuse_all_reduce_ops": True, "fuse_grad_size_in_MB": 32,
+    "build_strategy": {"fuse_elewise_add_act_ops": True, "fuse_bn_act_ops": True, "fuse_relu_depthwise_conv": True,
+                       "fuse_all_optimizer_ops": True, "enable_inplace": True, "enable_auto_fusion": True},
+    "execution_strategy": {"num_threads": 1, "num_iteration_per_drop_scope": 100},
+}
 NOT_MAPPED_LINE = "lightfleet: import-fleet: not mapped: "
 
 ROUND_TRIPS = {
@@ -115,6 +115,23 @@ def test_import_of_an_export_gives_the_same_strategy(tmp_path, capsys, overrides
     assert list(imported_strategies(experiment).items()) == list(expected.items())
 
 
+def test_collective_knobs_export_and_import_back(tmp_path, capsys):
+    overrides = ["collective.fuse_grad_size_in_MB=16", "collective.sync_batch_norm=true",
+                 "collective.build_strategy.fuse_bn_act_ops=true", "collective.execution_strategy.num_threads=2",
+                 "collective.gpu_memory_fraction=0.5"]
+    main(["export-fleet", str(saved_run(tmp_path, overrides)), "-o", str(tmp_path / "out.prototxt")])
+    assert capsys.readouterr().err.splitlines() == [
+        "lightfleet: export-fleet: not exported: collective.gpu_memory_fraction = 0.5: Fleet has no field for it"]
+    assert (tmp_path / "out.prototxt").read_text().splitlines()[1:] == [
+        "sync_batch_norm: true", "fuse_grad_size_in_MB: 16", "build_strategy {", "  fuse_bn_act_ops: true", "}",
+        "execution_strategy {", "  num_threads: 2", "}"]
+    experiment = tmp_path / "cfg" / "experiment" / "back.yaml"
+    main(["import-fleet", str(tmp_path / "out.prototxt"), "-o", str(experiment)])
+    cfg = compose_config([f"experiment={experiment.stem}"], config_dir=str(tmp_path / "cfg"))
+    expected = compose_config(overrides[:-1])
+    assert OmegaConf.to_container(cfg.collective) == OmegaConf.to_container(expected.collective)
+
+
 def test_export_writes_fleet_names_and_values(tmp_path, capsys):
     run_dir = saved_run(tmp_path, ROUND_TRIPS["pipeline_gpipe"])
     main(["export-fleet", str(run_dir), "-o", str(tmp_path / "out.prototxt")])
@@ -140,7 +157,6 @@ def test_resnet50_strategy_imports_as_amp_with_its_knobs(tmp_path, capsys):
     listed = not_mapped(err)
     assert [line.split(": ")[0] for line in listed] == RESNET50_NOT_MAPPED  # each once, in the file's order
     assert all(len(line.split(": ", 1)[1]) > 10 for line in listed)  # each with its reason
-    assert "lightfleet: import-fleet: not mapped: nccl_comm_num = 2: collective knob, not mapped yet" in err
     assert imported_strategies(experiment) == {
         "amp": AmpConfig(init_loss_scaling=32768.0, use_dynamic_loss_scaling=True, custom_black_list=["LayerNorm"])}
     head = experiment.read_text().splitlines()
@@ -148,7 +164,8 @@ def test_resnet50_strategy_imports_as_amp_with_its_knobs(tmp_path, capsys):
                         f"# Imported from the Fleet strategy file {tmp_path / 'fleet_resnet.prototxt'} by "
                         "`lightfleet import-fleet`.",
                         f"# Run: lightfleet --config-dir {tmp_path / 'cfg'} experiment=fleet_resnet"]
-    assert "#   execution_strategy.num_threads = 1: static-graph executor setting; PyTorch runs eagerly" in head
+    assert "#   build_strategy.fuse_broadcast_ops = true: static-graph (program) setting; PyTorch runs eagerly" in head
+    assert yaml.safe_load(experiment.read_text())["collective"] == RESNET50_COLLECTIVE
 
 
 def test_import_train_and_export_through_the_command(lightfleet, tmp_path):
@@ -268,6 +285,7 @@ def test_every_fleet_field_has_a_lightfleet_key_or_a_reason():
     for path, config, name in leaf_fields():
         strategy = configured_strategy(config) if config else None
         mapped = name in strategies.names() if not config else bool(strategy and knob_of(strategy, name))
+        mapped = mapped or path in collective_fields()
         reason = NOT_MAPPED.get(path, NOT_MAPPED.get(config))
         assert mapped != bool(reason), f"{path}: mapped={mapped}, reason={reason!r}"
     paths = {path for path, _, _ in leaf_fields()} | {field.name for field in strategy_class().DESCRIPTOR.fields}

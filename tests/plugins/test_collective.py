@@ -1,0 +1,122 @@
+"""collective.*: each Fleet knob reaches the PyTorch mechanism that carries it out, seen from inside
+real `lightfleet` runs (CPU, gloo, 2 processes where distributed) by `CollectiveProbe`, a callback
+put in from the command line; knobs this device cannot apply give one info line; a bad value
+is exit 2; a Fleet file's collective fields import as collective.* and train."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+STEPS = ["trainer.max_steps=3", "trainer.enable_progress_bar=false", "paths.output_dir=run"]
+PROBE = "+callbacks.probe._target_=test_collective.CollectiveProbe"
+TWO_RANKS = "trainer.devices=2"
+BIG_MLP = "model.hidden_dim=512"  # about 6 MB of gradients: several 1 MB buckets
+
+
+class CollectiveProbe(pl.Callback):
+    """At the end of training (DDP has rebuilt its buckets by then), each rank writes what it
+    sees into probe.rank<r>.json in the run directory."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        seen: Dict[str, Any] = {
+            "threads": torch.get_num_threads(),
+            "sync_batch_norm": any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()),
+            "compiled": pl_module._compiled_call_impl is not None,
+            "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            "foreach": trainer.optimizers[0].param_groups[0].get("foreach"),
+        }
+        ddp = trainer.strategy.model
+        if isinstance(ddp, DistributedDataParallel):
+            logged = ddp._get_ddp_logging_data()
+            # After the first step DDP rebuilds its buckets in gradient order, by bucket_cap_mb; each
+            # step then hands every bucket to the allreduce (num_buckets_reduced).
+            seen.update(bucket_cap_bytes=ddp.bucket_bytes_cap, find_unused_parameters=ddp.find_unused_parameters,
+                        buckets=logged["num_buckets_reduced"], bucket_sizes=logged.get("rebuilt_bucket_sizes"))
+        Path(trainer.default_root_dir, f"probe.rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+def probed(lightfleet, tmp_path: Path, *overrides: str, accelerator: str = "cpu") -> Dict[str, Any]:
+    """Run lightfleet with the probe; what rank 0 saw, and the run's output as `_out`."""
+    done = lightfleet(*overrides, *STEPS, PROBE, f"trainer.accelerator={accelerator}")
+    assert done.returncode == 0, done.stderr
+    seen = json.loads((tmp_path / "run" / "probe.rank0.json").read_text())
+    return {**seen, "_out": done.stdout + done.stderr}
+
+
+def test_fuse_grad_size_sets_the_ddp_buckets(lightfleet, tmp_path):
+    small = probed(lightfleet, tmp_path, TWO_RANKS, BIG_MLP, "collective.fuse_grad_size_in_MB=1")
+    (tmp_path / "run").rename(tmp_path / "small")
+    large = probed(lightfleet, tmp_path, TWO_RANKS, BIG_MLP)
+    assert (small["bucket_cap_bytes"], large["bucket_cap_bytes"]) == (1 << 20, 32 << 20)
+    assert large["buckets"] == 1 and small["buckets"] >= 5  # about 6 MB of gradients
+    assert all(int(size) <= (1 << 20) + (1 << 16) for size in small["bucket_sizes"].split(", ")[:-1])
+
+
+def test_ddp_threads_foreach_and_cpu_only_knobs(lightfleet, tmp_path):
+    seen = probed(lightfleet, tmp_path, TWO_RANKS, "collective.find_unused_parameters=true",
+                  "collective.execution_strategy.num_threads=2", "collective.build_strategy.fuse_all_optimizer_ops=true",
+                  "collective.cudnn_exhaustive_search=true", "collective.gpu_memory_fraction=0.5",
+                  "collective.use_hierarchical_allreduce=true")
+    assert seen["find_unused_parameters"] is True and seen["threads"] == 2 and seen["foreach"] is True
+    out = seen["_out"]
+    assert out.count("lightfleet: collective.cudnn_exhaustive_search: cuDNN runs on CUDA only; no effect on cpu") == 1
+    assert out.count("lightfleet: collective.gpu_memory_fraction: applies to CUDA memory only; no effect on cpu") == 1
+    build = (tmp_path / "run" / "build.yaml").read_text()
+    assert "collective.use_hierarchical_allreduce=True -> no effect: DDP has no two-level allreduce" in build
+    assert "collective.find_unused_parameters=True -> DDP find_unused_parameters" in build
+
+
+def test_sync_batch_norm_is_an_info_line_on_cpu(lightfleet, tmp_path):
+    """DDP refuses SyncBatchNorm on CPU; on CUDA the knob is Lightning's sync_batchnorm=True."""
+    seen = probed(lightfleet, tmp_path, TWO_RANKS, "model=resnet", "data=images", "collective.sync_batch_norm=true")
+    assert seen["sync_batch_norm"] is False
+    assert seen["_out"].count("lightfleet: collective.sync_batch_norm: DDP runs SyncBatchNorm on GPUs only; "
+                              "no effect on cpu") == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm needs 2 CUDA devices")
+def test_sync_batch_norm_converts_the_model_on_cuda(lightfleet, tmp_path):
+    seen = probed(lightfleet, tmp_path, TWO_RANKS, "model=resnet", "data=images", "collective.sync_batch_norm=true",
+                  accelerator="gpu")
+    assert seen["sync_batch_norm"] is True
+
+
+def test_an_op_fusion_flag_compiles_the_model(lightfleet, tmp_path):
+    seen = probed(lightfleet, tmp_path, "collective.build_strategy.fuse_elewise_add_act_ops=true")
+    assert seen["compiled"] is True and seen["dynamo_graphs"] >= 1
+    plain = lightfleet(*STEPS, PROBE, "trainer.accelerator=cpu", "paths.output_dir=plain")
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads((tmp_path / "plain" / "probe.rank0.json").read_text())["compiled"] is False
+
+
+def test_a_bad_value_is_one_line_and_exit_2(lightfleet):
+    done = lightfleet(*STEPS, "collective.fuse_grad_size_in_MB=-1")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["lightfleet: error: collective.fuse_grad_size_in_MB=-1.0: must be > 0"]
+    done = lightfleet(*STEPS, "collective.sync_batch_norm=maybe")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+FLEET_FILE = """\
+fuse_grad_size_in_MB: 16
+sync_batch_norm: true
+execution_strategy {
+  num_threads: 2
+}
+"""
+
+
+def test_a_fleet_files_collective_fields_import_and_train(lightfleet, tmp_path):
+    (tmp_path / "fleet.prototxt").write_text(FLEET_FILE)
+    done = lightfleet("import-fleet", "fleet.prototxt", "-o", "cfg/experiment/fleet.yaml")
+    assert done.returncode == 0, done.stderr
+    assert "not mapped" not in done.stderr
+    seen = probed(lightfleet, tmp_path, "--config-dir", "cfg", "experiment=fleet", TWO_RANKS)
+    assert (seen["bucket_cap_bytes"], seen["threads"]) == (16 << 20, 2)
