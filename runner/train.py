@@ -3,6 +3,7 @@ rank of a multi-process run (`python -m runner.train RUN_DIR`, started by runner
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
@@ -90,6 +91,14 @@ def train_from(records: Path) -> Dict[str, Any]:
     return train(spec, read_plan(records))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # one rank of a multi-process run (runner/launch.py starts it)
     with exit_on_user_error():
         train_from(Path(sys.argv[1]))
+    # Everything is written (results, checkpoints, loggers finalised). Interpreter teardown would
+    # now destroy torch's C++ communication objects in no set order, and one whose thread is still
+    # joinable aborts the rank ("terminate called without an active exception", seen after
+    # finished FSDP2 and pipeline runs): leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
