@@ -52,7 +52,7 @@ def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tup
     else:
         winner, why = search(spec, listed, auto, auto_dir, command, facts, rows)
     chosen = with_strategies(spec, winner.strategies)
-    write_records(auto_dir, spec, auto, facts, listed, winner, why)
+    write_records(auto_dir, chosen, auto, facts, listed, winner, why)
     print("\n".join([f"auto ({auto.mode}): chose {winner.label}{'; ' + winner.reason if winner.reason else ''}",
                      *(f"auto: {name}: {reason}" for name, reason in sorted(why.items())),
                      f"auto: candidates in {auto_dir / 'candidates.csv'}; the choice again: "
@@ -149,7 +149,7 @@ def with_strategies(spec: RunSpec, strategies: Dict[str, Dict[str, Any]], trial_
     return validate(OmegaConf.create(plain))
 
 
-def write_records(auto_dir: Path, spec: RunSpec, auto: AutoConfig, facts: Facts, listed: List[Candidate],
+def write_records(auto_dir: Path, chosen: RunSpec, auto: AutoConfig, facts: Facts, listed: List[Candidate],
                   winner: Candidate, why: Dict[str, str]) -> None:
     auto_dir.mkdir(parents=True, exist_ok=True)
     with (auto_dir / "candidates.csv").open("w", newline="") as out:
@@ -166,7 +166,7 @@ def write_records(auto_dir: Path, spec: RunSpec, auto: AutoConfig, facts: Facts,
     write_yaml(auto_dir / "sweep.yaml", {"jobs": {name: {"overrides": [f"strategy={c.label}"], "reason": c.reason,
                                                          "status": {"ok": "finished"}.get(c.status, c.status)}
                                                   for name, c in tried.items()}})
-    write_experiment(auto_dir, with_strategies(spec, winner.strategies), winner)
+    write_experiment(auto_dir, chosen, winner)
 
 
 def write_experiment(auto_dir: Path, chosen: RunSpec, winner: Candidate) -> None:

@@ -214,17 +214,19 @@ def summarize_sweep(sweep_dir: Path) -> int:
     from runner.records import write_yaml
 
     jobs = {}
-    for job in sorted((path.parent for path in sweep_dir.rglob("*.yaml") if path.name in ("config.yaml", "refused.yaml")),
-                      key=lambda job: [int(part) if part.isdigit() else part for part in job.relative_to(sweep_dir).parts]):
+    found = {path.parent for path in sweep_dir.rglob("*.yaml") if path.name in ("config.yaml", "refused.yaml")}
+    for job in sorted(found, key=lambda job: report.job_order(job.relative_to(sweep_dir).as_posix())):
+        name = job.relative_to(sweep_dir).as_posix()
         if (job / "refused.yaml").is_file():
-            record = yaml.safe_load((job / "refused.yaml").read_text())
-            jobs[str(job.relative_to(sweep_dir))] = {**record, "status": "refused"}
+            jobs[name] = {**yaml.safe_load((job / "refused.yaml").read_text()), "status": "refused"}
         elif (job / ".hydra" / "overrides.yaml").is_file():
-            ended = {"status": "finished"} if (job / "results.yaml").is_file() else {"status": "failed"}
-            if not (job / "results.yaml").is_file() and (job / "failure.yaml").is_file():
+            if (job / "results.yaml").is_file():
+                ended = {"status": "finished"}
+            elif (job / "failure.yaml").is_file():
                 ended = yaml.safe_load((job / "failure.yaml").read_text())  # status, exit_code, error
-            jobs[str(job.relative_to(sweep_dir))] = {
-                "overrides": yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()), **ended}
+            else:
+                ended = {"status": "failed"}
+            jobs[name] = {"overrides": yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()), **ended}
     write_yaml(sweep_dir / "sweep.yaml", {"jobs": jobs})
     report.main([str(sweep_dir)])
     return 1 if any(job["status"] not in ("finished", "refused") for job in jobs.values()) else 0
