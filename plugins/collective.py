@@ -109,7 +109,8 @@ def describe(config: CollectiveConfig, uses_ddp: bool, sharded: bool) -> List[st
         if key in ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "find_unused_parameters") and not uses_ddp:
             mechanism += ": no effect, this run has no lightfleet DDP"
         if key in ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks"):
-            mechanism = ("hybrid sharding's 2-D mesh: set strategy.sharding.dp_degree" if sharded
+            mechanism = ("hybrid sharding's 2-D mesh: sharding groups of strategy.sharding.degree ranks, "
+                         "replicated dp_degree times (both set from it)" if sharded
                          else "no effect: DDP has no two-level allreduce")
         lines.append(f"collective.{key}={value!r} -> {mechanism}")
     return lines

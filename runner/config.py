@@ -28,8 +28,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner import schema, strategies
 from runner.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table
-from runner.errors import ConfigError, Refusal
+from runner.errors import ConfigError, Refusal, require
 from runner.plan import Plan, make_plan
+from runner.world import World
 
 CONFIG_NAME = "config"  # conf/config.yaml; also stored as `lightfleet` for users' primary configs
 SAVED_RUN = "lightfleet_saved_run"  # the primary config of `lightfleet replay|resume|eval RUN_DIR`
@@ -158,20 +159,62 @@ def validate(cfg: DictConfig) -> RunSpec:
         # added with `+key=` would pass the schema unseen.
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
         merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), plain)
+        OmegaConf.to_object(merged.measure)  # its range checks, before anything is created
+        as_localsgd(OmegaConf.to_object(merged.parameter_server), merged)
+        as_hybrid_sharding(OmegaConf.to_object(merged.collective), merged)
         strategies = {name: OmegaConf.to_object(node) for name, node in merged.strategy.items() if node is not None}
         trainer = OmegaConf.to_object(merged.trainer)
-        for node in ("measure", "collective"):  # their range checks, before anything is created
-            OmegaConf.to_object(merged[node])
     except OmegaConfBaseException as error:
         raise _explain(error) from None
     return RunSpec(merged, strategies, trainer)
+
+
+def as_localsgd(parameter_server: schema.ParameterServerConfig, merged: DictConfig) -> None:
+    """GEO-SGD is local SGD: parameter_server.mode=geo selects localsgd with its k_steps, in the
+    config itself, so the config the run saves says what ran."""
+    if parameter_server.mode != "geo":
+        return
+    localsgd = merged.strategy.localsgd
+    if localsgd is None:
+        merged.strategy.localsgd = strategies.schemas()["localsgd"](k_steps=parameter_server.k_steps)
+    else:
+        require(localsgd.k_steps == parameter_server.k_steps, "strategy.localsgd.k_steps", localsgd.k_steps,
+                f"parameter_server.mode=geo runs as localsgd with parameter_server.k_steps={parameter_server.k_steps}; "
+                f"set one of them")
+
+
+def as_hybrid_sharding(collective: schema.CollectiveConfig, merged: DictConfig) -> None:
+    """Fleet's two-level allreduce is, for sharded runs, hybrid sharding's 2-D mesh: sharding
+    groups of hierarchical_allreduce_inter_nranks ranks (1, Fleet's default: a node's processes),
+    replicated across the rest. Set as strategy.sharding's degree and dp_degree in the config."""
+    sharding = merged.strategy.sharding
+    if not collective.use_hierarchical_allreduce or sharding is None:
+        return
+    world = World.of(merged.trainer)
+    inner = collective.hierarchical_allreduce_inter_nranks
+    inner = inner if inner > 1 else world.devices
+    key = "collective.hierarchical_allreduce_inter_nranks"
+    require(isinstance(inner, int), "trainer.devices", world.devices, "must be a number with collective.use_hierarchical_allreduce")
+    groups = inner * sharding.mp_degree * sharding.pp_degree
+    world_size = world.known_size("collective.use_hierarchical_allreduce")
+    require(world_size % groups == 0, key, inner,
+            f"sharding groups of {inner} rank(s) (x mp_degree x pp_degree) must divide the {world_size} processes")
+    degrees = {"degree": inner, "dp_degree": world_size // groups}
+    for name, value in degrees.items():
+        default = getattr(type(OmegaConf.to_object(sharding))(), name)
+        require(sharding[name] in (default, value), f"strategy.sharding.{name}", sharding[name],
+                f"collective.use_hierarchical_allreduce sets it to {value}; set one of them")
+        sharding[name] = value
 
 
 def plan_for(spec: RunSpec) -> Plan:
     """The run's plan, once the table allows its strategies: the one place plans are made (by the
     command, for the run and for auto's trials; ranks read the plan.yaml it saves)."""
     check(list(spec.strategies), load_table())
-    return make_plan(spec.strategies, spec.trainer, spec.batch_size)
+    plan = make_plan(spec.strategies, spec.trainer, spec.batch_size)
+    note = OmegaConf.to_object(spec.cfg.parameter_server).note()
+    plan.notes += [note] if note else []
+    return plan
 
 
 def _first_line(error: Exception) -> str:

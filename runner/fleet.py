@@ -6,7 +6,8 @@ The message definition is ours: MESSAGES names Fleet's fields with Fleet's numbe
 is built into message classes in Python (no protoc step). A Fleet switch that is on selects the
 lightfleet strategy of that name; a field of `<strategy>_configs` sets the knob of that name
 (RENAMED lists the exceptions); a collective-training field sets the `collective.*` knob of its
-path (collective_fields). Every other field the file sets is listed with why it has no lightfleet
+path (collective_fields); `a_sync` with `a_sync_configs.k_steps` set parameter_server.* (Fleet's
+parameter-server modes). Every other field the file sets is listed with why it has no lightfleet
 meaning (NOT_MAPPED), and written into the experiment as a comment: nothing is dropped silently.
 Export writes the knobs back, so importing an export gives the same strategy.
 docs/fleet.md has the whole table.
@@ -27,7 +28,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 from google.protobuf.descriptor import FieldDescriptor
 
 from runner import strategies
-from runner.schema import CollectiveConfig, collective_knobs
+from runner.schema import CollectiveConfig, ParameterServerConfig, collective_knobs
 from runner.compat import EXPERIMENTS_DIR, check, load_table
 from runner.errors import ConfigError, Refusal, exit_on_user_error
 
@@ -141,6 +142,10 @@ RENAMED: Dict[Tuple[str, str], Tuple[str, Callable[[Any], Any], Callable[[Any], 
 }
 
 PARAMETER_SERVER = "parameter-server training; lightfleet trains collectively"
+SERVER_RUNTIME = "parameter-server runtime setting (servers, queues, threads); lightfleet runs no servers"
+# Fleet's parameter-server mode is a_sync with a_sync_configs.k_steps: below 0 (the default, -1)
+# none (collective training); 0 sync (a_sync false) or async (a_sync true); above 0 GEO (a_sync true).
+PARAMETER_SERVER_FIELDS = ("a_sync", "a_sync_configs.k_steps")
 STATIC_GRAPH = "static-graph (program) setting; PyTorch runs eagerly"
 ALLREDUCE = "collective knob without a PyTorch counterpart: DDP buckets and schedules the gradient allreduces itself"
 TENSOR_PARALLEL = "tensor parallelism is strategy.sharding.mp_degree in lightfleet (stages 2 and 3); set it by hand"
@@ -149,7 +154,8 @@ SEGMENTS = "lightfleet groups sharded units by segment_broadcast_MB only"
 NOT_MAPPED = {
     "mode": "lightfleet always trains collectively (Fleet's COLLECTIVE mode)",
     "elastic": "elastic training is not supported",
-    "a_sync": PARAMETER_SERVER, "a_sync_configs": PARAMETER_SERVER, "adam_d2sum": PARAMETER_SERVER,
+    **{f"a_sync_configs.{spec[0]}": SERVER_RUNTIME for spec in MESSAGES["AsyncConfig"] if spec[0] != "k_steps"},
+    "adam_d2sum": PARAMETER_SERVER,
     "heter_ccl_mode": PARAMETER_SERVER,
     "fuse_grad_size_in_num": ALLREDUCE, "last_comm_group_size_MB": ALLREDUCE, "calc_comm_same_stream": ALLREDUCE,
     "without_graph_optimization": STATIC_GRAPH, "fuse_grad_merge": STATIC_GRAPH,
@@ -186,6 +192,7 @@ class Imported:
     strategies: Dict[str, Dict[str, Any]]  # selected strategy -> the knobs the file sets
     not_mapped: List[str]  # "field = value: why", one per field the file sets without a lightfleet meaning
     collective: Dict[str, Any] = dataclasses.field(default_factory=dict)  # collective.* key -> value
+    parameter_server: Dict[str, Any] = dataclasses.field(default_factory=dict)  # parameter_server.* knobs
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,8 +340,9 @@ def translate(message: Any) -> Imported:
     """The selected strategies with the knobs the file sets, and every other field it sets, with why."""
     switches = [name for name in strategies.names() if getattr(message, name)]
     imported = Imported({name: {} for name in switches}, [])
+    take_parameter_server(imported, message)
     for field, value in message.ListFields():  # the fields the file sets
-        if field.name in strategies.names():
+        if field.name in strategies.names() or field.name in PARAMETER_SERVER_FIELDS:
             continue
         if field.name in collective_fields():
             imported.collective[field.name] = plain(field, value)
@@ -347,10 +355,35 @@ def translate(message: Any) -> Imported:
     return imported
 
 
+def take_parameter_server(imported: Imported, message: Any) -> None:
+    """parameter_server.* from a_sync and a_sync_configs.k_steps, read as Fleet reads them (an
+    async mode is taken as it is, and refused by the check of the imported experiment)."""
+    k_steps = message.a_sync_configs.k_steps
+    if k_steps < 0:
+        why = "selects no parameter-server mode while a_sync_configs.k_steps < 0 (Fleet then trains collectively)"
+        imported.not_mapped += [unmapped(path, field, value, why) for path, field, value in parameter_server_set(message)]
+        return
+    if message.HasField("a_sync") or message.a_sync_configs.HasField("k_steps"):
+        mode = ("geo" if k_steps else "async") if message.a_sync else "sync"
+        imported.parameter_server = {"mode": mode, **({"k_steps": k_steps} if k_steps else {})}
+
+
+def parameter_server_set(message: Any) -> List[Tuple[str, FieldDescriptor, Any]]:
+    """(path, field, value) of a_sync and a_sync_configs.k_steps, where the file sets them."""
+    found = []
+    for holder, prefix in ((message, ""), (message.a_sync_configs, "a_sync_configs.")):
+        for field, value in holder.ListFields():
+            if prefix + field.name in PARAMETER_SERVER_FIELDS:
+                found.append((prefix + field.name, field, value))
+    return found
+
+
 def take_config_field(imported: Imported, config: str, field: FieldDescriptor, value: Any) -> None:
     path = f"{config}.{field.name}"
     strategy = configured_strategy(config)
     knob = knob_of(strategy, field.name) if strategy else None
+    if path in PARAMETER_SERVER_FIELDS:
+        return  # take_parameter_server's
     if path in collective_fields():
         imported.collective[path] = plain(field, value)
     elif knob is None:
@@ -366,11 +399,17 @@ def unmapped(path: str, field: FieldDescriptor, value: Any, why: str) -> str:
     return f"{path} = {json.dumps(plain(field, value))}: {why}"
 
 
-def problems(selected: Dict[str, Dict[str, Any]]) -> List[str]:
-    """Why these strategies would not run as they are: the table's refusal, out-of-range knobs."""
+def problems(selected: Dict[str, Dict[str, Any]], parameter_server: Dict[str, Any]) -> List[str]:
+    """Why these strategies and this parameter-server mode would not run as they are: the table's
+    refusal (GEO runs as localsgd), out-of-range knobs, an async mode."""
     found = []
     try:
-        check(list(selected), load_table())
+        mode = ParameterServerConfig(**parameter_server).mode
+    except ConfigError as error:
+        found.append(f"error: {error}")
+        mode = None
+    try:
+        check(list(selected) + (["localsgd"] if mode == "geo" and "localsgd" not in selected else []), load_table())
     except Refusal as refusal:
         found.append(f"refused: {refusal}")
     for name, knobs in selected.items():
@@ -408,6 +447,8 @@ def experiment_text(imported: Imported, source: Path, experiment: Path, found: L
         body["strategy"] = knobs
     if imported.collective:
         body["collective"] = nested(imported.collective)
+    if imported.parameter_server:
+        body["parameter_server"] = imported.parameter_server
     return "\n".join(lines) + "\n" + yaml.safe_dump(body, sort_keys=False, default_flow_style=None)
 
 
@@ -432,7 +473,7 @@ def import_fleet(source: Path, output: Optional[str]) -> int:
     imported = translate(message)
     for line in imported.not_mapped:
         say(f"import-fleet: not mapped: {line}")
-    found = problems(imported.strategies)
+    found = problems(imported.strategies, imported.parameter_server)
     for problem in found:
         say(problem)
     experiment.parent.mkdir(parents=True, exist_ok=True)
@@ -444,9 +485,9 @@ def import_fleet(source: Path, output: Optional[str]) -> int:
 
 # ---- export ----------------------------------------------------------------------------------------------
 
-def read_run_config(run_dir: Path) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any]]:
-    """The selected strategies of the run in `run_dir` with their knobs, and its collective.*
-    knobs by key (defaults where the run predates them), from its config.yaml."""
+def read_run_config(run_dir: Path) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any], Dict[str, Any]]:
+    """The selected strategies of the run in `run_dir` with their knobs, its collective.* knobs by
+    key and its parameter_server.* knobs (defaults where the run predates them), from its config.yaml."""
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise ConfigError(str(run_dir), None, "no config.yaml: not a run directory")
@@ -456,7 +497,20 @@ def read_run_config(run_dir: Path) -> Tuple[Dict[str, Dict[str, Any]], Dict[str,
         raise ConfigError(str(config), None, "has no strategy mapping")
     collective = collective_knobs(CollectiveConfig())
     collective.update(collective_knobs(saved.get("collective") or {}))
-    return {name: knobs for name, knobs in node.items() if knobs is not None}, collective
+    parameter_server = {**dataclasses.asdict(ParameterServerConfig()), **(saved.get("parameter_server") or {})}
+    return {name: knobs for name, knobs in node.items() if knobs is not None}, collective, parameter_server
+
+
+def export_parameter_server(message: Any, selected: Dict[str, Dict[str, Any]], knobs: Dict[str, Any]) -> None:
+    """Set a_sync and a_sync_configs.k_steps for a sync or GEO run; the localsgd that GEO ran as
+    is Fleet's GEO itself, so its switch is left off (import brings it back the same)."""
+    if knobs["mode"] == "none":
+        return
+    message.a_sync = knobs["mode"] == "geo"
+    message.a_sync_configs.k_steps = knobs["k_steps"]
+    if knobs["mode"] == "geo" and selected.get("localsgd") == dataclasses.asdict(
+            strategies.schemas()["localsgd"](k_steps=knobs["k_steps"])):
+        del selected["localsgd"]
 
 
 def export_collective(message: Any, knobs: Dict[str, Any]) -> List[str]:
@@ -479,15 +533,15 @@ def export_collective(message: Any, knobs: Dict[str, Any]) -> List[str]:
     return left_out
 
 
-def to_fleet(selected: Dict[str, Dict[str, Any]]) -> Tuple[Any, List[str]]:
-    """A DistributedStrategy with these strategies on and their knobs, and the knobs it cannot hold."""
-    message, left_out = strategy_class()(), []
+def to_fleet(message: Any, selected: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Switch these strategies on in the message and set their knobs; the knobs it cannot hold."""
+    left_out = []
     for name, knobs in selected.items():
         setattr(message, name, True)  # every strategy has Fleet's switch of its name (tests/runner/test_fleet.py)
         defaults = dataclasses.asdict(strategies.schemas()[name]())
         for knob, value in knobs.items():
             left_out += export_knob(message, name, knob, value, defaults[knob])
-    return message, left_out
+    return left_out
 
 
 def fleet_field(message: Any, strategy: str, knob: str) -> Optional[Tuple[FieldDescriptor, Callable[[Any], Any]]]:
@@ -523,8 +577,10 @@ def export_knob(message: Any, strategy: str, knob: str, value: Any, default: Any
 def export_fleet(run_dir: Path, output: Optional[str]) -> int:
     target = Path(output) if output else run_dir / "fleet_strategy.prototxt"
     refuse_existing(target)
-    selected, collective = read_run_config(run_dir)
-    message, left_out = to_fleet(selected)
+    selected, collective, parameter_server = read_run_config(run_dir)
+    message = strategy_class()()
+    export_parameter_server(message, selected, parameter_server)
+    left_out = to_fleet(message, selected)
     left_out += export_collective(message, collective)
     for line in left_out:
         say(f"export-fleet: not exported: {line}")

@@ -1,5 +1,5 @@
-"""The run's schema: trainer, paths, measurement, collective knobs and the run
-itself, each knob typed and documented.
+"""The run's schema: trainer, paths, measurement, collective knobs, the parameter-server mode
+and the run itself, each knob typed and documented.
 
 Plain dataclasses (no torch, no lightning): Hydra composes the YAML in conf/, and
 `runner.config.validate` merges it onto `RunConfig`, so a typo, a wrong type or an out-of-range
@@ -190,10 +190,11 @@ class CollectiveConfig:
     nccl_comm_num: int = 1
     """No effect: torch uses one NCCL communicator per process group."""
     use_hierarchical_allreduce: bool = False
-    """Two-level allreduce. Sharded runs: hybrid sharding's 2-D mesh (strategy.sharding.dp_degree);
-    DDP has no two-level allreduce (no effect, one info line)."""
+    """Two-level allreduce. Sharded runs: hybrid sharding's 2-D mesh, sharding within groups of
+    hierarchical_allreduce_inter_nranks ranks and replicated across them (sets strategy.sharding's
+    degree and dp_degree); DDP has no two-level allreduce (no effect, said in build.yaml)."""
     hierarchical_allreduce_inter_nranks: int = 1
-    """Ranks per inner group of the two-level allreduce; see use_hierarchical_allreduce."""
+    """Ranks per inner group of the two-level allreduce (1: a node's processes, trainer.devices, as in Fleet)."""
     sync_batch_norm: bool = False
     """Synchronise batch-norm statistics across processes: Lightning's sync_batchnorm (SyncBatchNorm)."""
     find_unused_parameters: bool = False
@@ -227,6 +228,47 @@ class CollectiveConfig:
 
 
 
+PARAMETER_SERVER_MODES = ("none", "sync", "geo", "async", "half_async")
+NEEDS_SERVERS = ("async", "half_async")
+NO_SERVERS = ("asynchronous updates need parameter-server processes, which lightfleet does not run "
+              "(PyTorch's mechanism for them, torch.distributed.rpc, is no longer maintained); use "
+              "parameter_server.mode=geo with parameter_server.k_steps=K (local SGD: parameters averaged every "
+              "K steps), strategy=[adaptive_localsgd] or parameter_server.mode=sync")
+
+
+@dataclass
+class ParameterServerConfig:
+    """Fleet's parameter-server modes (`a_sync`, `a_sync_configs.k_steps`) in collective terms:
+    lightfleet runs no server processes (docs/fleet.md)."""
+
+    mode: str = "none"
+    """none (the default): collective training; sync (Fleet: a_sync false, k_steps 0): data
+    parallelism, gradients averaged every step; geo (a_sync true, k_steps > 0): GEO-SGD as strategy localsgd, parameters averaged every k_steps;
+    async (a_sync true, k_steps 0) and half_async: refused, they need parameter servers."""
+    k_steps: int = 0
+    """GEO-SGD's local steps between two synchronisations (Fleet's a_sync_configs.k_steps): localsgd's k_steps; geo only."""
+
+    def __post_init__(self) -> None:
+        require(self.mode in PARAMETER_SERVER_MODES, "parameter_server.mode", self.mode,
+                f"choose from: {', '.join(PARAMETER_SERVER_MODES)}", PARAMETER_SERVER_MODES)
+        require(self.mode not in NEEDS_SERVERS, "parameter_server.mode", self.mode, NO_SERVERS)
+        if self.mode == "geo":
+            require(self.k_steps >= 1, "parameter_server.k_steps", self.k_steps, "must be >= 1 with mode=geo")
+        else:
+            require(self.k_steps == 0, "parameter_server.k_steps", self.k_steps,
+                    f"only parameter_server.mode=geo takes k_steps (mode is {self.mode})")
+
+    def note(self) -> Optional[str]:
+        """The plan's line on what the mode became."""
+        if self.mode == "sync":
+            return ("parameter_server.mode=sync: Fleet's synchronous parameter-server training runs as data "
+                    "parallelism (gradients averaged by allreduce every step)")
+        if self.mode == "geo":
+            return (f"parameter_server.mode=geo: Fleet's GEO-SGD runs as strategy localsgd (each process steps "
+                    f"alone; parameters averaged every k_steps={self.k_steps} steps)")
+        return None
+
+
 def collective_knobs(config: Any) -> Dict[str, Any]:
     """Every knob of `config` (a CollectiveConfig, or its mapping as config.yaml saves it) by its
     key under collective: fuse_grad_size_in_MB, build_strategy.fuse_bn_act_ops, ..."""
@@ -258,6 +300,8 @@ class RunConfig:
     """The run's measurements of its own speed and memory."""
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
     """Fleet's collective-training knobs (DDP buckets, SyncBatchNorm, torch.compile, threads)."""
+    parameter_server: ParameterServerConfig = field(default_factory=ParameterServerConfig)
+    """Fleet's parameter-server modes: sync (data parallelism) and geo (localsgd); async ones are refused."""
     name: str = "default"
     """Name of the run (experiments set it)."""
     seed: int = 0

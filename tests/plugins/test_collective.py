@@ -11,8 +11,11 @@ from typing import Any, Dict
 import pytest
 import pytorch_lightning as pl
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from runner.errors import ConfigError
 
 STEPS = ["trainer.max_steps=3", "trainer.enable_progress_bar=false", "paths.output_dir=run"]
 PROBE = "+callbacks.probe._target_=test_collective.CollectiveProbe"
@@ -81,11 +84,62 @@ def test_sync_batch_norm_is_an_info_line_on_cpu(lightfleet, tmp_path):
                               "no effect on cpu") == 1
 
 
+class Block(nn.Module):
+    """Not lightfleet's: a convolution block with batch norm, nested twice below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+
+
+def test_sync_batch_norm_on_cuda_converts_every_nested_batch_norm(spec_for):
+    """What a CUDA run builds (runnable on CPU: the conversion needs no GPU, only SyncBatchNorm's
+    forward does): the knob's Trainer argument, and the layer sync of lightfleet's DDP with it
+    converting every batch norm of a model that is not ours."""
+    from plugins import collective
+    from runner.build import lightning_strategy
+    from runner.config import plan_for
+
+    spec = spec_for("collective.sync_batch_norm=true", TWO_RANKS)
+    args = collective.trainer_args(OmegaConf.to_object(spec.cfg.collective), spec.trainer, "cuda")
+    assert args == {"sync_batchnorm": True}
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=lightning_strategy(plan_for(spec)), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **args)
+    model = trainer.strategy._layer_sync.apply(nn.Sequential(Block(), nn.Sequential(Block(), nn.BatchNorm1d(4))))
+    norms = [type(module) for module in model.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+    assert norms == [nn.SyncBatchNorm] * 3
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm needs 2 CUDA devices")
 def test_sync_batch_norm_converts_the_model_on_cuda(lightfleet, tmp_path):
     seen = probed(lightfleet, tmp_path, TWO_RANKS, "model=resnet", "data=images", "collective.sync_batch_norm=true",
                   accelerator="gpu")
     assert seen["sync_batch_norm"] is True
+
+
+HIERARCHICAL = ["collective.use_hierarchical_allreduce=true", "strategy=[sharding]", "strategy.sharding.stage=2"]
+
+
+@pytest.mark.parametrize("overrides, mesh", [
+    (["trainer.devices=2", "trainer.num_nodes=2"], {"dp_replicate": 2, "dp_shard": 2}),  # a node's processes
+    (["trainer.devices=4", "collective.hierarchical_allreduce_inter_nranks=2"], {"dp_replicate": 2, "dp_shard": 2}),
+    (["trainer.devices=4", "collective.hierarchical_allreduce_inter_nranks=4"], {"dp_replicate": 1, "dp_shard": 4}),
+])
+def test_hierarchical_allreduce_is_hybrid_sharding_of_inner_groups(spec_for, overrides, mesh):
+    from runner.config import plan_for
+
+    plan = plan_for(spec_for(*HIERARCHICAL, *overrides))
+    layout = plan.lightning_strategy.component.kwargs["layout"]
+    assert {name: layout[name] for name in mesh} == mesh
+
+
+def test_hierarchical_allreduce_against_other_degrees_is_one_line(spec_for):
+    with pytest.raises(ConfigError, match=r"^strategy.sharding.dp_degree=4: collective.use_hierarchical_allreduce "
+                                          r"sets it to 2; set one of them$"):
+        spec_for(*HIERARCHICAL, "trainer.devices=4", "collective.hierarchical_allreduce_inter_nranks=2",
+                 "strategy.sharding.dp_degree=4")
+    with pytest.raises(ConfigError, match=r"^collective.hierarchical_allreduce_inter_nranks=3: sharding groups of 3"):
+        spec_for(*HIERARCHICAL, "trainer.devices=4", "collective.hierarchical_allreduce_inter_nranks=3")
 
 
 def test_an_op_fusion_flag_compiles_the_model(lightfleet, tmp_path):

@@ -16,8 +16,8 @@ from runner import strategies
 from runner.compat import EXPERIMENTS_DIR
 from runner.config import compose_config, plan_for, validate
 from runner.errors import Refusal
-from runner.fleet import (NOT_MAPPED, RENAMED, collective_fields, configured_strategy, knob_of, main, run_command,
-                          shortest_float32, strategy_class)
+from runner.fleet import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, RENAMED, collective_fields, configured_strategy,
+                          knob_of, main, run_command, shortest_float32, strategy_class)
 from runner.strategies.amp import AmpConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +73,10 @@ ROUND_TRIPS = {
              "strategy.lamb.exclude_from_weight_decay=[bias,norm]"],
     "pipeline_gpipe": ["strategy=[pipeline]", "strategy.pipeline.schedule_mode=GPipe",
                        "strategy.pipeline.accumulate_steps=8", "strategy.pipeline.micro_batch_size=4"],
+    "sync": ["parameter_server.mode=sync"],
+    "geo": ["parameter_server.mode=geo", "parameter_server.k_steps=4"],
+    "geo_localsgd_begin_step": ["parameter_server.mode=geo", "parameter_server.k_steps=4", "strategy=[localsgd]",
+                                "strategy.localsgd.k_steps=4", "strategy.localsgd.begin_step=3"],
 }
 
 
@@ -85,10 +89,13 @@ def import_text(tmp_path: Path, text: str, name: str = "imported") -> Path:
     return experiment
 
 
+def imported_spec(experiment: Path):
+    """The checked experiment, composed as `lightfleet --config-dir` would."""
+    return validate(compose_config([f"experiment={experiment.stem}"], config_dir=str(experiment.parent.parent)))
+
+
 def imported_strategies(experiment: Path) -> Dict[str, object]:
-    """The checked strategies of the experiment, composed as `lightfleet --config-dir` would."""
-    cfg = compose_config([f"experiment={experiment.stem}"], config_dir=str(experiment.parent.parent))
-    return validate(cfg).strategies
+    return imported_spec(experiment).strategies
 
 
 def saved_run(tmp_path: Path, overrides: List[str]) -> Path:
@@ -111,8 +118,9 @@ def test_import_of_an_export_gives_the_same_strategy(tmp_path, capsys, overrides
     experiment = tmp_path / "cfg" / "experiment" / "back.yaml"
     assert main(["import-fleet", str(run_dir / "fleet_strategy.prototxt"), "-o", str(experiment)]) == 0
     assert capsys.readouterr().err == ""  # every knob exported, every field mapped back
-    expected = validate(compose_config(overrides)).strategies
-    assert list(imported_strategies(experiment).items()) == list(expected.items())
+    expected, imported = validate(compose_config(overrides)), imported_spec(experiment)
+    assert list(imported.strategies.items()) == list(expected.strategies.items())
+    assert imported.cfg.parameter_server == expected.cfg.parameter_server
 
 
 def test_collective_knobs_export_and_import_back(tmp_path, capsys):
@@ -216,6 +224,29 @@ def test_unknown_fields_are_warned_and_the_rest_imported(tmp_path, capsys):
     assert imported_strategies(experiment) == {"amp": AmpConfig(init_loss_scaling=1024.0)}
 
 
+@pytest.mark.parametrize("text, parameter_server, strategy_list, listed, problem", [
+    ("a_sync: false\na_sync_configs {\n  k_steps: 0\n}\n", {"mode": "sync"}, [], [], None),
+    ("a_sync: true\na_sync_configs {\n  k_steps: 8\n  send_queue_size: 4\n}\n", {"mode": "geo", "k_steps": 8},
+     ["localsgd"], ["a_sync_configs.send_queue_size = 4"], None),
+    ("a_sync: true\n", None, [], ["a_sync = true"], None),
+    ("a_sync: true\na_sync_configs {\n  k_steps: 0\n}\n", {"mode": "async"}, None, [],
+     "error: parameter_server.mode='async': asynchronous updates need parameter-server processes"),
+    ("dgc: true\na_sync: true\na_sync_configs {\n  k_steps: 2\n}\n", {"mode": "geo", "k_steps": 2}, None, [],
+     "refused: dgc+localsgd is not an allowed combination"),
+], ids=["sync", "geo", "a_sync_without_k_steps", "async", "geo_with_dgc"])
+def test_parameter_server_modes_import_as_fleet_reads_them(tmp_path, capsys, text, parameter_server, strategy_list,
+                                                          listed, problem):
+    """Fleet: k_steps < 0 (its default) trains collectively; 0 is sync or (a_sync) async; > 0 is GEO."""
+    experiment = import_text(tmp_path, text)
+    err = capsys.readouterr().err
+    assert [line.split(": ")[0] for line in not_mapped(err)] == listed
+    assert yaml.safe_load(experiment.read_text()).get("parameter_server") == parameter_server
+    if problem is None:
+        assert list(imported_strategies(experiment)) == strategy_list
+    else:
+        assert f"# NEEDS A CHOICE before it runs: {problem}" in experiment.read_text()
+
+
 def test_knobs_of_a_strategy_that_is_off_are_listed_not_applied(tmp_path, capsys):
     experiment = import_text(tmp_path, "amp: false\nrecompute: true\namp_configs {\n  init_loss_scaling: 1024\n}\n")
     assert not_mapped(capsys.readouterr().err) == ["amp_configs.init_loss_scaling = 1024.0: amp is off in this file "
@@ -285,7 +316,7 @@ def test_every_fleet_field_has_a_lightfleet_key_or_a_reason():
     for path, config, name in leaf_fields():
         strategy = configured_strategy(config) if config else None
         mapped = name in strategies.names() if not config else bool(strategy and knob_of(strategy, name))
-        mapped = mapped or path in collective_fields()
+        mapped = mapped or path in collective_fields() or path in PARAMETER_SERVER_FIELDS
         reason = NOT_MAPPED.get(path, NOT_MAPPED.get(config))
         assert mapped != bool(reason), f"{path}: mapped={mapped}, reason={reason!r}"
     paths = {path for path, _, _ in leaf_fields()} | {field.name for field in strategy_class().DESCRIPTOR.fields}
