@@ -9,8 +9,6 @@ The user's code never has to know which strategies are on.
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import warnings
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -28,6 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from plugins import collective
 from plugins.transforms import Transform, transform_in_configure_model
+from runner.arguments import check_arguments
 from runner.config import RunSpec
 from runner.errors import ConfigError
 from runner.measure import RunMeter
@@ -36,7 +35,6 @@ from runner.records import write_yaml
 from runner.schema import CollectiveConfig
 
 DDP_TARGET = "plugins.ddp:build_ddp"  # lightfleet's DDP, which takes the collective knobs' DDP arguments
-HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 # A scheduler re-pointed by `replace_optimizers` warns that its optimizer's step "has been
 # overridden": the replacement is deliberate, and the scheduler still steps after the optimizer.
 warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been overridden")
@@ -59,20 +57,8 @@ def device_type(accelerator: str) -> str:
 
 def instantiate_checked(key: str, node: DictConfig) -> Any:
     """`hydra.utils.instantiate`, after checking the arguments against the target's signature
-    so a typo is one line naming the key instead of a TypeError deep inside the constructor."""
-    target = node.get("_target_")
-    if not target:
-        raise ConfigError(f"{key}._target_", target, "is required: the import path of the class to build")
-    module, _, attr = str(target).rpartition(".")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ConfigError(f"{key}._target_", target, f"cannot be imported ({error})") from None
-    parameters = inspect.signature(factory).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        for name in node.keys():
-            if name not in HYDRA_KEYS and name not in parameters:
-                raise ConfigError.unknown_key(f"{key}.{name}", list(parameters))
+    (runner.arguments), so a typo is one line naming the key, not a TypeError in the constructor."""
+    check_arguments(key, OmegaConf.to_container(node, resolve=True))
     # Plain lists and dicts, not OmegaConf containers: they reach checkpoints' hyper-parameters,
     # which then load with torch.load(weights_only=True) and without omegaconf.
     return instantiate(node, _convert_="all")

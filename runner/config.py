@@ -8,8 +8,9 @@ naming the key, with the options of every search-path entry for "did you mean".
 """
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -114,10 +115,13 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
     except MissingConfigException as error:
         raise _missing(error, overrides) from None
     except (HydraException, OmegaConfBaseException) as error:
-        raise _explain(error) from None
+        raise _with_known_keys(_explain(error), hydra, config_name, overrides, run_mode) from None
     except ValueError as error:  # Hydra's word on a malformed override, e.g. `model=null`
         raise ConfigError("overrides", " ".join(overrides),
                           f"{_first_line(error)} (to drop a group use ~GROUP)") from None
+    except TypeError as error:  # Hydra's defaults list on a nested list: strategy=[[amp]]
+        raise ConfigError("overrides", " ".join(overrides), f"cannot be composed ({_first_line(error)}); a "
+                          "config group takes an option name or a flat list of them: strategy=[amp,recompute]") from None
     except AssertionError:  # OmegaConf's way to refuse a knob under an unselected strategy (None)
         knobs = [o.split("=")[0] for o in overrides if re.match(r"^strategy\.\w+\.", o)]
         if not knobs:
@@ -127,6 +131,21 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
         with open_dict(cfg):
             del cfg["hydra"]
     return cfg
+
+
+def _with_known_keys(problem: ConfigError, hydra: Hydra, config_name: str, overrides: Sequence[str],
+                     run_mode: RunMode) -> ConfigError:
+    """An unknown key under a node the schema leaves open (model, data, a callback), with the
+    keys that node has when composed without it, for "did you mean"."""
+    parent = problem.key.rpartition(".")[0]
+    if problem.value is not None or "has no key" not in str(problem) or "did you mean" in str(problem) or not parent:
+        return problem
+    others = [o for o in overrides if o.lstrip("+~").split("=")[0] != problem.key]
+    try:
+        node = OmegaConf.select(hydra.compose_config(config_name, others, run_mode=run_mode), parent)
+    except Exception:  # noqa: BLE001 (the first error is the one to report)
+        return problem
+    return ConfigError.unknown_key(problem.key, list(node.keys())) if isinstance(node, DictConfig) else problem
 
 
 def group_options(group: str) -> List[str]:
@@ -159,14 +178,29 @@ def validate(cfg: DictConfig) -> RunSpec:
         # added with `+key=` would pass the schema unseen.
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
         merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), plain)
-        OmegaConf.to_object(merged.measure)  # its range checks, before anything is created
-        as_localsgd(OmegaConf.to_object(merged.parameter_server), merged)
-        as_hybrid_sharding(OmegaConf.to_object(merged.collective), merged)
+        # The nodes' dataclasses check their ranges as they are built, before anything is created.
+        knobs = {node: OmegaConf.to_object(merged[node]) for node in ("measure", "collective", "parameter_server")}
+        as_localsgd(knobs["parameter_server"], merged)
+        as_hybrid_sharding(knobs["collective"], merged)
         strategies = {name: OmegaConf.to_object(node) for name, node in merged.strategy.items() if node is not None}
         trainer = OmegaConf.to_object(merged.trainer)
+        for key, node in [*knobs.items(), ("trainer", trainer), *((f"strategy.{n}", k) for n, k in strategies.items())]:
+            require_finite(key, node)
     except OmegaConfBaseException as error:
         raise _explain(error) from None
     return RunSpec(merged, strategies, trainer)
+
+
+def require_finite(key: str, node: Any) -> None:
+    """Every number of a knob dataclass is finite: inf or nan is refused, naming the knob."""
+    if is_dataclass(node):
+        for item in fields(node):
+            require_finite(f"{key}.{item.name}", getattr(node, item.name))
+    elif isinstance(node, (list, tuple)):
+        require(all(not isinstance(item, float) or math.isfinite(item) for item in node), key, node,
+                "every number must be finite")
+    elif isinstance(node, float):
+        require(math.isfinite(node), key, node, "must be a finite number")
 
 
 def as_localsgd(parameter_server: schema.ParameterServerConfig, merged: DictConfig) -> None:
@@ -205,6 +239,21 @@ def as_hybrid_sharding(collective: schema.CollectiveConfig, merged: DictConfig) 
         require(sharding[name] in (default, value), f"strategy.sharding.{name}", sharding[name],
                 f"collective.use_hierarchical_allreduce sets it to {value}; set one of them")
         sharding[name] = value
+
+
+def resolved(cfg: DictConfig) -> Dict[str, Any]:
+    """The config as plain data, every interpolation resolved; one that cannot be is one line
+    naming its key (`${now:}`, `${oops}`)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except (OmegaConfBaseException, HydraException, ValueError) as error:
+        key = getattr(error, "full_key", None) or getattr(error.__cause__, "full_key", None)
+        if not key:
+            raise _explain(error) from None
+        raw: Any = OmegaConf.to_container(cfg, resolve=False)  # the `${...}` as written
+        for part in key.split("."):
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        raise ConfigError(key, raw, f"cannot be resolved: {_first_line(error.__cause__ or error)}") from None
 
 
 def plan_for(spec: RunSpec) -> Plan:
@@ -247,7 +296,7 @@ def _explain(error: Exception) -> ConfigError:
             return _not_selected(".".join(name))
         return ConfigError.unknown_key(key, _schema_keys(key.rpartition(".")[0]))
     value = re.search(r"Value '([^']*)'", message)
-    return ConfigError(key or "config", value.group(1) if value else "?", message)
+    return ConfigError(key or "config", value.group(1) if value else None, message)
 
 
 def _schema_keys(parent: str) -> List[str]:

@@ -12,6 +12,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from runner.errors import require_at_least
+
 
 # Scale of the class prototypes against the unit noise: an MLP passes 90% accuracy within
 # ~50 steps, yet a flat input stays ambiguous often enough that accuracy stays below 100%.
@@ -22,6 +24,8 @@ class _SyntheticData(pl.LightningDataModule):
     """Holds the train/val/test TensorDatasets built by `make_datasets` and serves them."""
 
     def __init__(self, batch_size: int, seed: int, num_workers: int) -> None:
+        require_at_least(1, batch_size=batch_size)
+        require_at_least(0, num_workers=num_workers)
         super().__init__()
         self.batch_size = batch_size
         self.seed = seed
@@ -79,6 +83,8 @@ class SyntheticClassificationData(_SyntheticData):
         seed: int = 0,
         num_workers: int = 0,
     ) -> None:
+        require_at_least(1, num_classes=num_classes, num_train=num_train, num_val=num_val, num_test=num_test,
+                         **{f"input_shape[{i}]": size for i, size in enumerate(input_shape)})
         super().__init__(batch_size, seed, num_workers)
         self.input_shape = tuple(input_shape)  # YAML gives a list
         self.num_classes = num_classes
@@ -123,6 +129,8 @@ class SyntheticLanguageModelData(_SyntheticData):
         seed: int = 0,
         num_workers: int = 0,
     ) -> None:
+        require_at_least(1, vocab_size=vocab_size, seq_len=seq_len, num_train=num_train, num_val=num_val,
+                         num_test=num_test)
         super().__init__(batch_size, seed, num_workers)
         self.vocab_size = vocab_size
         self.seq_len = seq_len

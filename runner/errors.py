@@ -32,6 +32,14 @@ def require(ok: bool, key: str, value: Any, allowed: str, choices: tuple = ()) -
         raise ConfigError(key, value, allowed, choices)
 
 
+def require_at_least(lowest: int, **values: Any) -> None:
+    """For constructors: ValueError("name=value: must be >= lowest") for a value below `lowest`
+    (the command names the config key: runner.arguments.check_builds)."""
+    for name, value in values.items():
+        if value < lowest:
+            raise ValueError(f"{name}={value!r}: must be >= {lowest}")
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     by_lower = {choice.lower(): choice for choice in choices}  # 1f1b -> 1F1B: case is a typo too
     close = difflib.get_close_matches(word.lower(), list(by_lower), n=3, cutoff=0.75)

@@ -21,7 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.config import RunSpec, plan_for, validate
+from runner.arguments import check_arguments, check_builds
+from runner.config import RunSpec, plan_for, resolved, validate
 from runner.errors import ConfigError, Refusal, exit_on_user_error, require
 from runner.plan import Plan, format_plan
 from runner.clock import mark_start
@@ -39,7 +40,8 @@ def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
     spec = validate(cfg)
     plan = plan_for(spec)
     check_multi_node(World(**plan.world))
-    check_devices(spec.trainer.accelerator, World(**plan.world))
+    check_devices(spec.trainer, World(**plan.world))
+    check_targets(resolved(spec.cfg))
     run = spec.cfg
     require(run.ckpt_path is not None or not run.evaluate, "evaluate", True, "needs ckpt_path=PATH|last: the weights to evaluate")
     require(not run.test or "pipeline" not in spec.strategies, "test", True,
@@ -47,6 +49,18 @@ def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
     if run.ckpt_path is not None:  # where the command ran, also after hydra.job.chdir
         run.ckpt_path = find_checkpoint(run.ckpt_path, run.paths.root_dir, Path(HydraConfig.get().runtime.cwd))
     return spec, plan
+
+
+def check_targets(run: Dict[str, Any]) -> None:
+    """The arguments of every `_target_` node against its constructor, then the model and data
+    built once (runner.arguments): all before any directory or process."""
+    check_arguments("model", run["model"])
+    check_arguments("data", run["data"])
+    for group in ("callbacks", "logger"):
+        for name, node in (run.get(group) or {}).items():
+            if node:
+                check_arguments(f"{group}.{name}", node)
+    check_builds(run["model"], run["data"])
 
 
 def run_job(cfg: DictConfig) -> Optional[float]:
@@ -61,7 +75,15 @@ def run_job(cfg: DictConfig) -> Optional[float]:
             depth = len(Path(records_subdir(World(**plan.world))).parts)
             spec.cfg.paths.output_dir = str(records.parents[depth - 1] if depth else records)
             spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
-            code = launch(spec, plan, command, records)
+            try:
+                code = launch(spec, plan, command, records)
+            except (ConfigError, Refusal):
+                raise
+            except Exception as error:  # the user's code failed in this process: one line, the rest in the log
+                log_to_file_only("run failed")
+                print(f"lightfleet: run failed: {first_line(error)}; traceback in "
+                      f"{records / (hydra.job.name + '.log')}", file=sys.stderr)
+                sys.exit(1)
             if code:
                 sys.exit(code)
             return objective(spec, records)
@@ -108,10 +130,13 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         launcher.run(records, World(**plan.world))
     except ChildFailedError as failure:
         codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
-        print(f"lightfleet: run failed: exit status by rank {codes}; logs in {records / 'logs'}", file=sys.stderr)
+        first_rank, first = failure.get_first_failure()
+        reason = last_error_line(records / "logs", first.local_rank)
+        print(f"lightfleet: run failed: rank {first_rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
+              f"rank {codes}; logs in {records / 'logs'})", file=sys.stderr)
         # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
         code = 2 if 2 in codes.values() else 1
-        record_failure(records, code, last_error_line(records / "logs", failure.get_first_failure()[1].local_rank))
+        record_failure(records, code, reason)
         return code
     except Exception as error:  # in this process: recorded, then handled as any error
         record_failure(records, 2 if isinstance(error, ConfigError) else 1, first_line(error))

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from runner.errors import ConfigError, exit_on_user_error
+from runner.schema import TrainerConfig
 from runner.records import read_plan
 from runner.world import World, launched_externally
 
@@ -28,18 +29,25 @@ def processes_per_node(world: World) -> int:
     return world.devices
 
 
-def check_devices(accelerator: str, world: World) -> None:
-    """Refuse asking for more GPUs than this machine's CUDA sees, before any process starts (a
-    launcher or scheduler that places the job itself is trusted)."""
+def check_devices(trainer: TrainerConfig, world: World) -> None:
+    """Refuse devices this machine cannot give, before any process starts: more GPUs than its
+    CUDA sees, GPU ids it lacks, device ids without CUDA (a launcher or scheduler that places the
+    job itself is trusted)."""
     if launched_externally():
         return
     import torch
 
     gpus = torch.cuda.device_count()
     has = f"this machine has {gpus} CUDA device(s)" if gpus else "this machine has no CUDA device"
+    accelerator, devices = trainer.accelerator, trainer.devices
     if accelerator in ("gpu", "cuda") and not gpus:
         raise ConfigError("trainer.accelerator", accelerator, f"{has}; use cpu or auto")
     on_gpus = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus)
+    if isinstance(devices, list) and not on_gpus:
+        raise ConfigError("trainer.devices", devices, f"device ids name GPUs; on {accelerator} give a count "
+                          f"(trainer.devices={len(devices)})")
+    if on_gpus and isinstance(devices, list) and not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
+        raise ConfigError("trainer.devices", devices, f"{has}; ids go from 0 to {gpus - 1}")
     if on_gpus and isinstance(world.devices, int) and world.devices > gpus:
         raise ConfigError("trainer.devices", world.devices, f"{has}; ask for at most {gpus} per node")
 

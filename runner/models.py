@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from typing_extensions import override
 
+from runner.errors import require_at_least
+
 # A torch optimizer class with its hyper-parameters bound, waiting for the parameters:
 # what Hydra builds from a config node with `_partial_: true`.
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -93,6 +95,8 @@ class MLPClassifier(ClassifierModule):
         num_classes: int = 4,
         optimizer: Optional[OptimizerFactory] = None,
     ) -> None:
+        require_at_least(1, input_dim=input_dim, hidden_dim=hidden_dim, num_classes=num_classes)
+        require_at_least(0, num_blocks=num_blocks)
         super().__init__(optimizer)
         self.stem = nn.Linear(input_dim, hidden_dim)
         self.blocks = nn.ModuleList(ResidualMLPBlock(hidden_dim) for _ in range(num_blocks))
@@ -145,6 +149,8 @@ class ResNetClassifier(ClassifierModule):
         blocks_per_stage: int = 1,
         optimizer: Optional[OptimizerFactory] = None,
     ) -> None:
+        require_at_least(1, in_channels=in_channels, num_classes=num_classes, blocks_per_stage=blocks_per_stage,
+                         stages=len(widths), **{f"widths[{i}]": width for i, width in enumerate(widths)})
         super().__init__(optimizer)
         self.stem = nn.Sequential(conv_bn(in_channels, widths[0], 3), nn.ReLU())
         blocks, channels = [], widths[0]
@@ -216,6 +222,9 @@ class GPTDecoder(ClassifierModule):
         n_layers: int = 2,
         optimizer: Optional[OptimizerFactory] = None,
     ) -> None:
+        require_at_least(1, vocab_size=vocab_size, seq_len=seq_len, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model}: must be a multiple of n_heads={n_heads}")
         super().__init__(optimizer)
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(seq_len, d_model)

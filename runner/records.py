@@ -14,6 +14,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, Sequence
@@ -22,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from runner.compat import PROJECT_ROOT
-from runner.errors import ConfigError
+from runner.errors import ConfigError, require
 from runner.plan import Plan, format_plan
 from runner.world import World, launched_externally
 
@@ -52,12 +53,26 @@ def reserve_dir(cfg: DictConfig, hydra_key: str, paths_key: str, subdir: str = "
         raise ConfigError(hydra_key, hydra_dir, f"differs from {paths_key}={paths_dir!r}; set one of them "
                           f"({hydra_key} follows {paths_key})")
     path = Path(hydra_dir).expanduser().resolve()
+    check_writable(paths_key if hydra_dir == paths_dir else hydra_key, path)
     if not subdir and _named_by_clock(cfg, hydra_key):
         return fresh_dir(path)
     if (path / subdir / "config.yaml").exists() or (path / subdir / "multirun.yaml").exists():
         raise ConfigError(paths_key if hydra_dir == paths_dir else hydra_key, str(path),
                           "already holds a run; choose another directory")
     return path
+
+
+def check_writable(key: str, path: Path) -> None:
+    """A run or sweep directory lightfleet can make and fill, and not inside another run's."""
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    require(existing.is_dir(), key, str(path), f"{existing} is a file, not a directory")
+    try:  # a directory made and removed again: os.access says yes to root even where mkdir fails
+        os.rmdir(tempfile.mkdtemp(prefix=".lightfleet-probe-", dir=existing))
+    except OSError as error:
+        raise ConfigError(key, str(path), f"cannot be written: {error.strerror} ({existing})") from None
+    for parent in path.parents:
+        require(not (parent / "plan.yaml").is_file(), key, str(path),
+                f"is inside the run directory {parent}; choose a directory outside it")
 
 
 def find_checkpoint(ckpt_path: str, root_dir: str, base: Path) -> str:

@@ -20,6 +20,19 @@ StrategyConfig = make_dataclass(
     namespace={"__module__": __name__, "__doc__": "Knobs of the selected strategies, by name (None: not selected)."})
 
 
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+PROFILERS = ("simple", "advanced", "pytorch", "xla")
+
+
+def is_batches(value: Any, lowest: int) -> bool:
+    """A count of batches >= lowest, or a fraction in [0, 1] (Lightning's limit_* and val_check_interval)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= lowest
+    return value is None or (isinstance(value, float) and 0.0 <= value <= 1.0)
+
+
 @dataclass
 class TrainerConfig:
     """Arguments of `pytorch_lightning.Trainer`. lightfleet owns `strategy`, `precision`,
@@ -104,6 +117,34 @@ class TrainerConfig:
         require(self.num_nodes >= 1, "trainer.num_nodes", self.num_nodes, "must be >= 1")
         require(self.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches",
                 self.accumulate_grad_batches, "must be >= 1")
+        require(self.accelerator in ACCELERATORS, "trainer.accelerator", self.accelerator,
+                f"allowed: {', '.join(ACCELERATORS)}", ACCELERATORS)
+        # Lightning's own ranges, checked here so that a bad value stops the command, not a rank.
+        for name, lowest in (("max_epochs", -1), ("min_epochs", 0), ("max_steps", -1), ("min_steps", 0),
+                             ("check_val_every_n_epoch", 1), ("num_sanity_val_steps", -1), ("log_every_n_steps", 0),
+                             ("reload_dataloaders_every_n_epochs", 0)):
+            value = getattr(self, name)
+            require(value is None or value >= lowest, f"trainer.{name}", value,
+                    f"must be >= {lowest}" + ("" if name in ("max_steps", "reload_dataloaders_every_n_epochs")
+                                              else " (or null)"))
+        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                     "overfit_batches"):
+            require(is_batches(getattr(self, name), lowest=0), f"trainer.{name}", getattr(self, name),
+                    "allowed: a count of batches >= 0, a fraction in [0.0, 1.0], or null")
+        require(self.val_check_interval is None or (is_batches(self.val_check_interval, lowest=1)
+                                                     and self.val_check_interval != 0.0),
+                "trainer.val_check_interval", self.val_check_interval,
+                "allowed: a count of batches >= 1, a fraction of an epoch in (0.0, 1.0], or null")
+        require(self.gradient_clip_val is None or self.gradient_clip_val >= 0, "trainer.gradient_clip_val",
+                self.gradient_clip_val, "must be >= 0 (or null: no clipping)")
+        require(self.gradient_clip_algorithm in (None, "norm", "value"), "trainer.gradient_clip_algorithm",
+                self.gradient_clip_algorithm, "allowed: norm, value (or null: norm)", ("norm", "value"))
+        require(self.profiler in (None, *PROFILERS), "trainer.profiler", self.profiler,
+                f"allowed: {', '.join(PROFILERS)} (or null)", PROFILERS)
+        require(self.deterministic in (None, True, False, "warn"), "trainer.deterministic", self.deterministic,
+                "allowed: true, false, warn (or null)")
+        require(isinstance(self.fast_dev_run, bool) or (isinstance(self.fast_dev_run, int) and self.fast_dev_run >= 0),
+                "trainer.fast_dev_run", self.fast_dev_run, "allowed: true, false or a count of batches >= 0")
 
 
 @dataclass

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Dict
@@ -13,7 +14,7 @@ from typing import Any, Dict
 from omegaconf import OmegaConf
 
 from runner.config import RunSpec, validate
-from runner.errors import exit_on_user_error, require
+from runner.errors import ConfigError, Refusal, exit_on_user_error, require
 from runner.plan import Plan
 from runner.clock import started_at
 from runner.records import read_plan, write_yaml
@@ -91,9 +92,27 @@ def train_from(records: Path) -> Dict[str, Any]:
     return train(spec, read_plan(records))
 
 
+def report_failure(records: Path, error: Exception) -> int:
+    """A rank's failure in the user's code: the traceback to a file of the run's logs, one line to
+    stderr (the command repeats it); the exit status."""
+    rank = os.environ.get("RANK", "0")
+    path = records / "logs" / f"traceback.rank{rank}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(error)))
+    text = str(error).strip()
+    summary = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    print(f"lightfleet: {summary}; traceback in {path}", file=sys.stderr, flush=True)
+    return 1
+
+
 if __name__ == "__main__":  # one rank of a multi-process run (runner/launch.py starts it)
     with exit_on_user_error():
-        train_from(Path(sys.argv[1]))
+        try:
+            train_from(Path(sys.argv[1]))
+        except (ConfigError, Refusal):
+            raise
+        except Exception as failure:  # noqa: BLE001 (whatever the user's code raises)
+            sys.exit(report_failure(Path(sys.argv[1]), failure))
     # Everything is written (results, checkpoints, loggers finalised). Interpreter teardown would
     # now destroy torch's C++ communication objects in no set order, and one whose thread is still
     # joinable aborts the rank ("terminate called without an active exception", seen after

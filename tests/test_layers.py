@@ -22,7 +22,7 @@ LAYERS = [
     ["runner.config"],
     ["runner.records"],
     ["runner.report", "runner.fleet"],
-    ["plugins.*", "runner.models", "runner.data", "runner.measure"],
+    ["plugins.*", "runner.models", "runner.data", "runner.measure", "runner.arguments"],
     ["runner.build"],
     ["runner.train"],
     ["runner.launch"],

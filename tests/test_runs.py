@@ -130,7 +130,27 @@ def test_error_only_the_built_model_reveals_stops_every_rank_with_status_2(light
     assert "Traceback" not in done.stderr
     assert "strategy.recompute.checkpoints='blokcs.0': matches no module" in done.stderr
     assert "did you mean blocks.0" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(  # the command's last word names the rank's reason
+        "lightfleet: run failed: rank 0: error: strategy.recompute.checkpoints='blokcs.0': matches no module")
     assert (tmp_path / "run" / "config.yaml").is_file()  # what was written stays
+
+
+def test_an_error_in_the_users_code_is_one_line_naming_the_full_traceback(lightfleet, tmp_path):
+    """A model that does not fit the data: exit 1, the error in one line, its traceback in a file."""
+    single = lightfleet("model.input_dim=7", "paths.output_dir=one", *fast())
+    assert single.returncode == 1 and "Traceback" not in single.stderr
+    log = tmp_path / "one" / "lightfleet.log"
+    assert single.stderr.strip().splitlines() == [
+        f"lightfleet: run failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x32 and 7x64); "
+        f"traceback in {log}"]
+    assert "Traceback" in log.read_text()
+    two = lightfleet("model.input_dim=7", "trainer.devices=2", "paths.output_dir=two", *fast())
+    assert two.returncode == 1 and "Traceback" not in two.stderr + two.stdout
+    traceback = tmp_path / "two" / "logs" / "traceback.rank0.txt"
+    assert two.stderr.strip().splitlines()[-1].startswith(
+        f"lightfleet: run failed: rank 0: RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x32 and 7x64); "
+        f"traceback in {traceback} (exit status by rank ")
+    assert "Traceback" in traceback.read_text()
 
 
 def free_port() -> int:

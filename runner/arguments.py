@@ -1,0 +1,146 @@
+"""The arguments of `_target_` nodes (the model, the data, callbacks, loggers, and the nodes nested
+in them) against their constructors: names, required ones, and values against the type
+annotations, so that a typo or a wrong type is one line naming the key, not a TypeError inside
+the user's code. `check_builds` then builds the model (on the meta device: no memory, no time)
+and the data module once in the command, so that what the constructors themselves refuse
+(a batch size of 0) stops the command before any rank starts.
+"""
+from __future__ import annotations
+
+import collections.abc
+import importlib
+import inspect
+import re
+import types
+import typing
+from typing import Any, Callable, Dict, List, Tuple
+
+from runner.errors import ConfigError
+
+# Keys of a `_target_` node that Hydra's instantiate reads itself.
+HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+
+
+def target_of(key: str, node: Any) -> Callable[..., Any]:
+    """The class or function a node's `_target_` names."""
+    target = node.get("_target_")
+    if not target:
+        raise ConfigError(f"{key}._target_", target, "is required: the import path of the class to build")
+    module, _, attr = str(target).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"{key}._target_", target, f"cannot be imported ({error})") from None
+
+
+def check_arguments(key: str, node: Any) -> None:
+    """Check the `_target_` node at `key` (a plain mapping, interpolations resolved) and every
+    `_target_` node nested in it."""
+    factory = target_of(key, node)
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return
+    parameters = signature.parameters
+    hints = annotations(factory)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    for name, value in node.items():
+        if name in HYDRA_KEYS:
+            continue
+        if name not in parameters and not takes_any:
+            raise ConfigError.unknown_key(f"{key}.{name}", [p for p in parameters if p not in ("self", "args", "kwargs")])
+        hint = hints.get(name, typing.Any)
+        if not fits(value, hint):
+            raise ConfigError(f"{key}.{name}", value, f"{factory.__name__} takes {describe(hint)}")
+    if "_args_" not in node and not node.get("_partial_", False):
+        for name, parameter in parameters.items():
+            required = parameter.default is inspect.Parameter.empty and parameter.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            if required and name not in node:
+                raise ConfigError(f"{key}.{name}", None, f"is required by {factory.__name__} (no default)")
+    for name, value in node.items():
+        for inner_key, inner in nested_targets(f"{key}.{name}", value):
+            check_arguments(inner_key, inner)
+
+
+def nested_targets(key: str, value: Any) -> List[Tuple[str, Dict[str, Any]]]:
+    """The `_target_` nodes inside a value, with their keys."""
+    if isinstance(value, dict):
+        if "_target_" in value:
+            return [(key, value)]
+        return [found for name, item in value.items() for found in nested_targets(f"{key}.{name}", item)]
+    if isinstance(value, list):
+        return [found for i, item in enumerate(value) for found in nested_targets(f"{key}[{i}]", item)]
+    return []
+
+
+def annotations(factory: Callable[..., Any]) -> Dict[str, Any]:
+    """The constructor's resolved type annotations; none where they cannot be resolved (a name
+    only a TYPE_CHECKING block imports): unchecked, not refused."""
+    function = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # noqa: BLE001 (any failure to evaluate the user's annotations)
+        return {}
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether a config value (None, bool, int, float, str, list, dict) can be the annotated type."""
+    if hint is typing.Any or isinstance(hint, typing.TypeVar):
+        return True
+    if isinstance(value, dict) and "_target_" in value:
+        return True  # built by instantiate; its own arguments are checked where it is nested
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, arm) for arm in args)
+    if origin is typing.Literal:
+        return value in args
+    if value is None:
+        return hint is type(None)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    container = origin or hint
+    if container in (list, tuple, collections.abc.Sequence, collections.abc.Iterable, set, frozenset):
+        if not isinstance(value, list):
+            return container in (collections.abc.Sequence, collections.abc.Iterable) and isinstance(value, str)
+        if container is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(fits(item, arm) for item, arm in zip(value, args))
+        return not args or all(fits(item, args[0]) for item in value)
+    if container in (dict, collections.abc.Mapping):
+        return isinstance(value, dict)
+    return True  # a class of the user's: whatever YAML gives may be what it takes
+
+
+def describe(hint: Any) -> str:
+    """An annotation as the user wrote it: int, Optional[float], List[int]."""
+    if inspect.isclass(hint) and typing.get_origin(hint) is None:
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> None:
+    """Build the model (on the meta device: parameters without storage) and the data module once,
+    so that the constructors' own refusals stop the command: one line naming the node."""
+    import torch
+    from hydra.utils import instantiate
+
+    for key, node in (("model", model), ("data", data)):
+        try:
+            if key == "model":
+                with torch.device("meta"):
+                    instantiate(node, _convert_="all")
+            else:
+                instantiate(node, _convert_="all")
+        except Exception as error:  # noqa: BLE001 (whatever the user's constructor raises)
+            cause = error.__cause__ or error  # instantiate wraps the constructor's exception
+            if "meta" in str(cause):  # a constructor that needs real tensors: it is built in the ranks
+                continue
+            reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            named = re.match(r"(\w+)=\S+: (.*)", reason)  # "batch_size=0: must be >= 1" names an argument
+            if named and named.group(1) in node:
+                raise ConfigError(f"{key}.{named.group(1)}", node[named.group(1)], named.group(2)) from None
+            raise ConfigError(key, None, f"{node['_target_']} refused its arguments: {reason}") from None

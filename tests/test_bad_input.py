@@ -1,0 +1,123 @@
+"""Bad command lines, generated from the schema: every knob with a wrong type, a non-finite number
+and a typo in its name; every config group with an unknown option; malformed syntax; and the
+bad inputs a new user tries (issue: reliability). Each must end in exit status 2 with one line
+on stderr, no traceback, and nothing created. They run in this process through the command's
+own entry point (`runner.cli.main`): the refusal path, a few milliseconds each. `dry_run=true`
+rides along, so a line wrongly accepted prints a plan instead of training; bad run directories,
+which only a real run checks, are refused before anything starts."""
+from __future__ import annotations
+
+import os
+import sys
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Iterator, List, Tuple
+
+import pytest
+
+from runner import schema, strategies
+from runner.cli import main
+
+GROUPS = {"model": "mlp", "data": "classification", "trainer": "cpu", "logger": "csv", "callbacks": "default",
+          "collective": "default", "debug": "fdr", "experiment": "quickstart"}
+# What a new user tries: values of the wrong kind, out of Lightning's ranges, devices this
+# machine lacks, paths that cannot be run directories, and syntax Hydra cannot read.
+BY_HAND = [
+    ["model.hidden_dim=abc"], ["data.batch_size=0"], ["model.num_classes=0"], ["data.input_shape=[a,b]"],
+    ["model.hidden_dmi=3"], ["+model.extra=1"], ["data.batchsize=8"],
+    ["trainer.max_steps=-5"], ["trainer.check_val_every_n_epoch=0"], ["trainer.val_check_interval=-1"],
+    ["trainer.limit_train_batches=-1"], ["trainer.limit_val_batches=1.5"], ["trainer.accelerator=cpuu"],
+    ["trainer.accelerator=gpu"], ["trainer.devices=[0,1]"], ["trainer.devices=0"], ["trainer.num_nodes=0"],
+    ["trainer.gradient_clip_val=-1"], ["trainer.profiler=simpel"], ["trainer.fast_dev_run=-1"],
+    ["strategy=[amp]", "strategy.amp.init_loss_scaling=inf"], ["strategy=[dgc]", "strategy.dgc.sparsity=[0.5,nan]"],
+    ["strategy=[[amp]]"], ["strategy=[amp"], ["strategy=[ampp]"], ["strategy=[lars,lamb]"],
+    ["name=${now:}"], ["name=${oops}"], ["model.hidden_dim=${data.nope}"], ["trainer.max_steps"], ["=3"],
+    ["trainer.max_steps==3"], ["parameter_server.mode=async"],
+    ["parameter_server.mode=geo"], ["collective.fuse_grad_size_in_MB=0"], ["seed=abc"], ["ckpt_path=nosuch.ckpt"],
+]
+
+
+def knob_nodes() -> Iterator[Tuple[str, type, List[str]]]:
+    """(key prefix, dataclass, the overrides that make the node exist) of every knob node."""
+    for name, cls in strategies.schemas().items():
+        yield f"strategy.{name}", cls, [f"strategy=[{name}]"]
+    yield from [("trainer", schema.TrainerConfig, []), ("measure", schema.MeasureConfig, []),
+                ("collective", schema.CollectiveConfig, []),
+                ("collective.build_strategy", schema.BuildStrategyConfig, []),
+                ("collective.execution_strategy", schema.ExecutionStrategyConfig, []),
+                ("parameter_server", schema.ParameterServerConfig, [])]
+
+
+def wrong_values(hint: Any) -> List[str]:
+    """Values no knob of this type takes."""
+    arms = [arm for arm in typing.get_args(hint) if arm is not type(None)] or [hint]
+    if arms == [bool]:
+        return ["maybe"]
+    if arms == [int]:
+        return ["abc", "1.5"]
+    if arms == [float]:
+        return ["abc", "inf", "nan"]
+    if typing.get_origin(arms[0]) in (list, tuple):
+        return ["{a:1}"]
+    return []  # str and Any take any value: their checks are by hand above
+
+
+def generated() -> Iterator[Tuple[str, List[str]]]:
+    for prefix, cls, selection in knob_nodes():
+        hints = typing.get_type_hints(cls)
+        for field in fields(cls):
+            if field.name not in hints or field.name.startswith("_") or cls is schema.CollectiveConfig and \
+                    field.name in ("build_strategy", "execution_strategy"):
+                continue
+            key = f"{prefix}.{field.name}"
+            for value in wrong_values(hints[field.name]):
+                yield f"{key}={value}", [*selection, f"{key}={value}"]
+            yield f"{key} typo", [*selection, f"{prefix}.{field.name[:-1]}x=1"]
+        if selection:  # a knob of a strategy that is not selected
+            yield f"{prefix} unselected", [f"{prefix}.{fields(cls)[0].name}=1"]
+    for group, option in GROUPS.items():
+        yield f"{group}={option}x", [f"{group}={option}x"]
+    for overrides in BY_HAND:
+        yield " ".join(overrides), overrides
+
+
+CASES = list(generated())
+# Run directories that are a file, lie under a file or inside another run, or cannot be made.
+PATHS = {"a file": "taken", "under a file": "taken/run", "inside a run": "done/inner", "unmakeable": "/proc/lightfleet"}
+
+
+def refusal(args: List[str], tmp_path, monkeypatch, capsys) -> str:
+    """The one stderr line of `lightfleet ARGS`, which must exit 2 with no traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the working directory first
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lightfleet: ") and "Traceback" not in err, err
+    assert "'?'" not in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("overrides", [case for _, case in CASES], ids=[name for name, _ in CASES])
+def test_a_bad_command_line_is_one_line_exit_2_and_creates_nothing(overrides, tmp_path, monkeypatch, capsys):
+    refusal([*overrides, "dry_run=true"], tmp_path, monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("path", PATHS.values(), ids=list(PATHS))
+def test_a_bad_run_directory_is_refused_before_anything_is_written(path, tmp_path, monkeypatch, capsys):
+    (tmp_path / "taken").write_text("a file\n")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "plan.yaml").write_text("strategies: []\n")
+    line = refusal([f"paths.output_dir={path}"], tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"lightfleet: error: paths.output_dir='{Path(path) if path.startswith('/') else tmp_path / path}'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done", "taken"]
+    assert [p.name for p in (tmp_path / "done").iterdir()] == ["plan.yaml"]
+
+
+def test_the_generated_lines_are_a_few_hundred():
+    assert len(CASES) >= 250
