@@ -31,6 +31,7 @@ from runner.config import RunSpec
 from runner.errors import ConfigError
 from runner.measure import RunMeter
 from runner.plan import Plan
+from runner.preemption import Preemption
 from runner.records import write_yaml
 from runner.schema import CollectiveConfig
 
@@ -93,6 +94,7 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     meter = RunMeter(cfg.measure.warmup_steps) if cfg.measure.enabled else None
     callbacks += [meter] if meter else []
     callbacks.append(collective.CollectiveSetup(collective_config))
+    callbacks.append(Preemption(run_dir / "checkpoints" / "last.ckpt"))
     strategy = lightning_strategy(plan, collective.ddp_kwargs(collective_config) if uses_ddp else None)
     trainer = pl.Trainer(**trainer_args, strategy=strategy, plugins=plugins, callbacks=callbacks,
                          logger=loggers(cfg), default_root_dir=str(run_dir))

@@ -100,7 +100,12 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     print(f"lightfleet: job {hydra.job.num}: {' '.join(command)}", flush=True)
     mark_start()  # the job's start-up time counts from here, not from the sweep's start
     try:
-        return objective(spec, records) if launch(spec, plan, command, records) == 0 else math.nan
+        from runner.preemption import PREEMPTED
+
+        code = launch(spec, plan, command, records)
+        if code == PREEMPTED:  # the sweep stops with its job, as a run does
+            sys.exit(code)
+        return objective(spec, records) if code == 0 else math.nan
     except ConfigError as error:  # e.g. a module name only the built model can reject
         print(f"lightfleet: job {hydra.job.num} error: {error}", file=sys.stderr)
     except Exception as error:  # the job's own code failed in this process: the sweep goes on
@@ -111,7 +116,10 @@ def run_job(cfg: DictConfig) -> Optional[float]:
 
 def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> int:
     """Record the run in `records` and train; a failed rank becomes one line naming its log."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from runner.preemption import PREEMPTED, Preempted, resume_line
 
     from runner import launch as launcher
 
@@ -128,6 +136,13 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     started = time.monotonic()
     try:
         launcher.run(records, World(**plan.world))
+    except (SignalException, Preempted) as stop:  # the ranks saved their checkpoint at the agreed step
+        # In this process, Preempted knows the step; from the agent, the signal the ranks were passed.
+        signum, step = (stop.signum, stop.step) if isinstance(stop, Preempted) else (stop.sigval, None)
+        print(resume_line(run_dir, signum, step), file=sys.stderr, flush=True)
+        record_failure(records, PREEMPTED, resume_line(run_dir, signum, step).removeprefix("lightfleet: "),
+                       status="preempted")
+        return PREEMPTED
     except ChildFailedError as failure:
         codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
         first_rank, first = failure.get_first_failure()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -76,6 +77,10 @@ def run(records: Path, world: World) -> None:
         rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex)
     # As torchrun does: ranks sharing a node split its cores instead of each grabbing all of them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ["LIGHTFLEET_RANK_OF"] = str(os.getpid())  # a rank outliving this process stops (runner.preemption)
+    # SLURM's warning before the time limit preempts as SIGTERM does: the agent passes SIGTERM on to
+    # the ranks (and waits 30 s for them); SIGUSR1 would end this process at once.
+    signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     config = LaunchConfig(
         min_nodes=world.num_nodes, max_nodes=world.num_nodes, nproc_per_node=nproc,
         max_restarts=0, monitor_interval=0.1, log_line_prefix_template="[rank${rank}]:",

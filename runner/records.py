@@ -107,9 +107,9 @@ def records_subdir(world: World) -> str:
     return ""
 
 
-def record_failure(records: Path, exit_code: int, error: str) -> None:
+def record_failure(records: Path, exit_code: int, error: str, status: str = "failed") -> None:
     """failure.yaml: how the run ended (out of memory is told apart: the cure differs)."""
-    status = "out_of_memory" if "out of memory" in error.lower() else "failed"
+    status = "out_of_memory" if "out of memory" in error.lower() else status
     write_yaml(records / "failure.yaml", {"status": status, "exit_code": exit_code, "error": error})
 
 

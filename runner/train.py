@@ -106,11 +106,17 @@ def report_failure(records: Path, error: Exception) -> int:
 
 
 if __name__ == "__main__":  # one rank of a multi-process run (runner/launch.py starts it)
+    from runner.preemption import PREEMPTED, Preempted
+
     with exit_on_user_error():
         try:
             train_from(Path(sys.argv[1]))
         except (ConfigError, Refusal):
             raise
+        except Preempted:  # the checkpoint is written: leave as below, with the preemption's status
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(PREEMPTED)
         except Exception as failure:  # noqa: BLE001 (whatever the user's code raises)
             sys.exit(report_failure(Path(sys.argv[1]), failure))
     # Everything is written (results, checkpoints, loggers finalised). Interpreter teardown would

@@ -1,0 +1,93 @@
+"""Preemption as on a cluster: SIGTERM, or SIGUSR1 (SLURM's warning before the time limit), makes
+every rank finish the step it is in, save checkpoints/last.ckpt at that step, and exit with
+status PREEMPTED; `lightfleet resume RUN_DIR` continues from there (docs/reliability.md).
+
+The signal handlers only note the signal. The ranks agree at the end of each optimizer step, with
+one small all-reduce, whether any rank has one, so all stop at the same step and save together
+(a sharded checkpoint is collective). Lightning's own SIGTERM handling is replaced: it stops
+ranks at different steps. A rank whose parent (the lightfleet command) dies takes that as a
+SIGTERM, and leaves on its own if the others do not follow in time.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+
+PREEMPTED = 143  # the exit status of a preempted run: 128 + SIGTERM, as a scheduler expects
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+ORPHAN_GRACE_S = 20.0  # after the parent's death, the time a rank has to checkpoint before it leaves
+
+
+class Preempted(SystemExit):
+    """Raised on every rank at the agreed step, once its checkpoint is saved."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(PREEMPTED)
+        self.signum, self.step = signum, step
+
+
+class Preemption(pl.Callback):
+    """Checkpoint at the step a preemption signal arrives in, on every rank alike."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.checkpoint = checkpoint
+        self.received = 0  # the signal's number; 0 while none came
+        self.agreed_signal = 0
+        self.last_step = -1
+
+    def note(self, signum: int, _frame: Any = None) -> None:
+        self.received = self.received or signum
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for signum in SIGNALS:  # after Lightning's, which its fit loop acts on rank by rank
+            signal.signal(signum, self.note)
+        watch_parent(self)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.last_step:  # a micro-batch of an accumulated step
+            return
+        self.last_step = trainer.global_step
+        if self.agreed(trainer):
+            trainer.save_checkpoint(str(self.checkpoint), weights_only=False)
+            raise Preempted(self.agreed_signal, trainer.global_step)
+
+    def agreed(self, trainer: pl.Trainer) -> bool:
+        """Whether any rank received a signal (the largest number wins)."""
+        flag = torch.tensor([self.received], device=trainer.strategy.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        self.agreed_signal = int(flag.item())
+        return self.agreed_signal != 0
+
+
+def watch_parent(preemption: Preemption) -> None:
+    """In a rank started by the command: when the command dies (its ranks are re-parented), act
+    as on SIGTERM, and leave after ORPHAN_GRACE_S whatever happens."""
+    if os.environ.get("LIGHTFLEET_RANK_OF") != str(os.getppid()):
+        return  # not a rank of the command (one process, or started by torchrun or SLURM)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        preemption.note(signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        print("lightfleet: the command is gone and the run did not stop in time; leaving", file=sys.stderr, flush=True)
+        os._exit(PREEMPTED)
+
+    threading.Thread(target=watch, name="lightfleet-parent-watch", daemon=True).start()
+
+
+def resume_line(run_dir: Path, signum: int, step: Optional[int] = None) -> str:
+    """What the command says when its run was preempted."""
+    at = f" at step {step}" if step is not None else ""
+    return (f"lightfleet: preempted by {signal.Signals(signum).name}{at}; checkpoint saved in "
+            f"{run_dir / 'checkpoints' / 'last.ckpt'}; continue with: lightfleet resume {run_dir}")
