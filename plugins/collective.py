@@ -12,6 +12,7 @@ Knobs torch has no counterpart for are accepted and do nothing (docs/collective.
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from typing import Any, Dict, List
 
 import pytorch_lightning as pl
@@ -37,10 +38,18 @@ MECHANISM = {
     "find_unused_parameters": "DDP find_unused_parameters",
     "cudnn_exhaustive_search": "Trainer benchmark=True (torch.backends.cudnn.benchmark)",
     "gpu_memory_fraction": "torch.cuda.set_per_process_memory_fraction",
+    "timeout_s": "the process group's timeout",
     "build_strategy.fuse_all_optimizer_ops": "the optimizer's foreach implementation",
     "execution_strategy.num_threads": "torch.set_num_threads on every rank",
     **{f"build_strategy.{flag}": "torch.compile of the model" for flag in OP_FUSION_FLAGS},
 }
+
+
+def set_timeout(strategy: Any, config: CollectiveConfig) -> None:
+    """The process group's timeout on the run's Lightning strategy (DDP's, sharding's or the
+    pipeline's: each takes Lightning's `timeout`, read when the process group is made)."""
+    if config.timeout_s is not None and hasattr(strategy, "_timeout"):
+        strategy._timeout = timedelta(seconds=config.timeout_s)
 
 
 @rank_zero_only

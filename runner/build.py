@@ -96,6 +96,7 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     callbacks.append(collective.CollectiveSetup(collective_config))
     callbacks.append(Preemption(run_dir / "checkpoints" / "last.ckpt"))
     strategy = lightning_strategy(plan, collective.ddp_kwargs(collective_config) if uses_ddp else None)
+    collective.set_timeout(strategy, collective_config)
     trainer = pl.Trainer(**trainer_args, strategy=strategy, plugins=plugins, callbacks=callbacks,
                          logger=loggers(cfg), default_root_dir=str(run_dir))
     return Built(trainer, model, datamodule, meter)

@@ -249,6 +249,10 @@ class CollectiveConfig:
     gpu_memory_fraction: Optional[float] = None
     """Fraction of each GPU's memory the process may use (Fleet's FLAGS_fraction_of_gpu_memory_to_use):
     torch.cuda.set_per_process_memory_fraction; CUDA only. None: no limit."""
+    timeout_s: Optional[float] = None
+    """Seconds a rank waits in a collective (or for the others at start-up) before the run fails
+    with that rank's timeout error: the process group's timeout. None: torch's default (10 min
+    for NCCL, 30 min for gloo). Not a Fleet field."""
     build_strategy: BuildStrategyConfig = field(default_factory=BuildStrategyConfig)
     """Fleet's BuildStrategy (graph passes): op fusion through torch.compile."""
     execution_strategy: ExecutionStrategyConfig = field(default_factory=ExecutionStrategyConfig)
@@ -266,6 +270,8 @@ class CollectiveConfig:
                 self.conv_workspace_size_limit, "must be >= 0")
         fraction = self.gpu_memory_fraction
         require(fraction is None or 0 < fraction <= 1, "collective.gpu_memory_fraction", fraction, "must be in (0, 1]")
+        require(self.timeout_s is None or self.timeout_s > 0, "collective.timeout_s", self.timeout_s,
+                "must be > 0 (or null: torch's default)")
 
 
 

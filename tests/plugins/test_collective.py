@@ -5,6 +5,8 @@ is exit 2; a Fleet file's collective fields import as collective.* and train."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 from pathlib import Path
 from typing import Any, Dict
 
@@ -140,6 +142,27 @@ def test_hierarchical_allreduce_against_other_degrees_is_one_line(spec_for):
                  "strategy.sharding.dp_degree=4")
     with pytest.raises(ConfigError, match=r"^collective.hierarchical_allreduce_inter_nranks=3: sharding groups of 3"):
         spec_for(*HIERARCHICAL, "trainer.devices=4", "collective.hierarchical_allreduce_inter_nranks=3")
+
+
+class HangingRank(pl.Callback):
+    """Rank 1 stops answering at step 2, as a rank stuck outside a collective would (and dies
+    at once on SIGTERM, as one stuck in C++ code would not run a Python handler)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(300)
+
+
+def test_a_rank_that_hangs_ends_the_run_at_the_timeout_naming_the_other_rank(lightfleet, tmp_path):
+    started = time.monotonic()
+    done = lightfleet(*STEPS, TWO_RANKS, "trainer.max_steps=6", "collective.timeout_s=3",
+                      "+callbacks.hang._target_=test_collective.HangingRank")
+    assert time.monotonic() - started < 60
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lightfleet: run failed: rank 0: ") and "timed out" in last.lower(), last
+    assert "collective.timeout_s=3.0 -> the process group's timeout" in (tmp_path / "run" / "build.yaml").read_text()
 
 
 def test_an_op_fusion_flag_compiles_the_model(lightfleet, tmp_path):
