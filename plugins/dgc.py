@@ -9,16 +9,16 @@ plugins/dgc_state.py, the sparsity schedule and top-k selection in plugins/dgc_c
 Details: docs/strategies.md#dgc
 """
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from plugins.dgc_compression import index_dtype, select
 from plugins.dgc_state import OPTIMIZER_KEY, DGCState
+from plugins.resume import gather, own
 from runner.errors import ConfigError
 
 NEEDS_MOMENTUM_SGD = "dgc needs momentum SGD (torch.optim.SGD with momentum > 0)"
@@ -153,13 +153,7 @@ class DGCCheckpoint(pl.Callback):
         state = _hook_state(self._trainer)
         if state is None:
             return dict(self._loaded or {})
-        mine = state.state_dict()
-        group = state.group
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            ranks: List[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(ranks, mine, group=group)
-        else:
-            ranks = [mine]
+        ranks = gather(state.state_dict(), state.group)
         return {"world_size": len(ranks), "ranks": ranks}
 
     @override
@@ -176,13 +170,6 @@ class DGCCheckpoint(pl.Callback):
         if state is None or self._loaded is None:
             return
         ranks = self._loaded["ranks"]
-        group = state.group
-        distributed = dist.is_available() and dist.is_initialized()
-        world_size = dist.get_world_size(group) if distributed else 1
-        if len(ranks) == world_size:
-            state.load_state_dict(ranks[dist.get_rank(group) if distributed else 0])
-        else:
-            rank_zero_warn(f"dgc: the checkpoint holds the state of {len(ranks)} ranks, this run has {world_size}: "
-                           "residuals and momentum start from zero")
-            state.load_state_dict({"step": ranks[0]["step"], "buffers": {}})
+        mine = own(ranks, "dgc states", "residuals and momentum start from zero", state.group)
+        state.load_state_dict(mine if mine is not None else {"step": ranks[0]["step"], "buffers": {}})
         self._loaded = None

@@ -9,13 +9,16 @@ after a resume: docs/strategies.md#localsgd.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytorch_lightning as pl
+import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from typing_extensions import override
+
+from plugins.resume import gather, own
 
 
 def build_hook(begin_step: int = 1) -> Tuple[PostLocalSGDState, Callable]:
@@ -37,6 +40,8 @@ class LocalSGDCallback(pl.Callback):
         self.begin_step = begin_step
         self.syncs = 0  # parameter averagings so far
         self._steps_seen = 0
+        self._trainer: Optional[pl.Trainer] = None
+        self._replicas: Optional[List[Dict[str, Any]]] = None  # loaded, applied when training starts
 
     def after_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                              step: int) -> bool:
@@ -49,10 +54,15 @@ class LocalSGDCallback(pl.Callback):
         return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._steps_seen = trainer.global_step
         if not self.distributed(trainer):
             return
+        self._restore_replica(trainer, pl_module)
         state = getattr(trainer.strategy, "comm_hook_state", None)
         if not isinstance(state, PostLocalSGDState):
             raise RuntimeError(f"{type(self).__name__} needs the DDP communication hook of "
@@ -78,11 +88,32 @@ class LocalSGDCallback(pl.Callback):
 
     @override
     def state_dict(self) -> Dict[str, Any]:
-        return {"syncs": self.syncs}
+        trainer = self._trainer
+        if trainer is None or not self.distributed(trainer):
+            return {"syncs": self.syncs}
+        # Between averagings each rank trains its own replica: the checkpoint (rank 0's model,
+        # optimizer and loss scaler) gets every rank's, and each rank takes its own back.
+        parameters = trainer.lightning_module.named_parameters()
+        replica = {"parameters": {name: p.detach().cpu().clone() for name, p in parameters},
+                   "optimizer": trainer.optimizers[0].state_dict(),
+                   "precision": trainer.precision_plugin.state_dict()}
+        return {"syncs": self.syncs, "replicas": gather(replica)}
 
     @override
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.syncs = state_dict["syncs"]
+        self._replicas = state_dict.get("replicas")
+
+    def _restore_replica(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        replicas, self._replicas = self._replicas, None
+        mine = own(replicas, "local replicas", "every rank goes on from rank 0's") if replicas else None
+        if mine is None:
+            return
+        with torch.no_grad():
+            for name, parameter in pl_module.named_parameters():
+                parameter.copy_(mine["parameters"][name])
+        trainer.optimizers[0].load_state_dict(mine["optimizer"])
+        trainer.precision_plugin.load_state_dict(mine["precision"])
 
 
 class ModelAveraging(LocalSGDCallback):

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from plugins import collective
+from plugins.resume import EpochEndPosition, RandomStates
 from plugins.transforms import Transform, transform_in_configure_model
 from runner.arguments import check_arguments
 from runner.config import RunSpec
@@ -95,6 +96,7 @@ def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
     callbacks += [meter] if meter else []
     callbacks.append(collective.CollectiveSetup(collective_config))
     callbacks.append(Preemption(run_dir / "checkpoints" / "last.ckpt"))
+    callbacks += [RandomStates(), EpochEndPosition()]
     strategy = lightning_strategy(plan, collective.ddp_kwargs(collective_config) if uses_ddp else None)
     collective.set_timeout(strategy, collective_config)
     trainer = pl.Trainer(**trainer_args, strategy=strategy, plugins=plugins, callbacks=callbacks,

@@ -5,11 +5,12 @@ every process of a distributed run builds identical data whatever the global RNG
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from runner.errors import require_at_least
@@ -18,6 +19,15 @@ from runner.errors import require_at_least
 # Scale of the class prototypes against the unit noise: an MLP passes 90% accuracy within
 # ~50 steps, yet a flat input stays ambiguous often enough that accuracy stays below 100%.
 CLASS_SIGNAL = 0.5
+
+
+class _EpochAtFirstDraw(DistributedSampler):
+    """A DistributedSampler that orders an epoch when its first index is drawn, not when its
+    iterator is made: Lightning makes a resumed run's iterator before it sets the epoch."""
+
+    @override
+    def __iter__(self) -> Iterator[int]:
+        yield from super().__iter__()
 
 
 class _SyntheticData(pl.LightningDataModule):
@@ -43,21 +53,29 @@ class _SyntheticData(pl.LightningDataModule):
         if self.train_set is None:
             self.train_set, self.val_set, self.test_set = self.make_datasets(torch.Generator().manual_seed(self.seed))
 
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        # A plain DataLoader: under DDP Lightning swaps in a DistributedSampler itself.
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers)
+    def _loader(self, dataset: TensorDataset, **options) -> DataLoader:
+        return StatefulDataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers, **options)
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        # Resumable bit for bit: the loader is stateful (a checkpoint holds the position in the
+        # epoch), and the order comes from the sampler's own generator seeded by (seed, epoch),
+        # never from the global RNG. The sampler is a DistributedSampler in a single process too
+        # (one replica); given one, Lightning does not wrap it. Lightning sets the epoch at each
+        # epoch's start, but a run resumed mid-epoch skips to its position before that: set it here.
+        trainer = self.trainer  # None when built outside a fit (auto's facts, tests)
+        replicas = (trainer and trainer.distributed_sampler_kwargs) or {"num_replicas": 1, "rank": 0}
+        sampler = _EpochAtFirstDraw(self.train_set, shuffle=True, seed=self.seed, **replicas)
+        sampler.set_epoch(trainer.current_epoch if trainer else 0)
+        return self._loader(self.train_set, sampler=sampler)
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set)
 
     @override
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
+        return self._loader(self.test_set)
 
 
 class SyntheticClassificationData(_SyntheticData):

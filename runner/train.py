@@ -33,6 +33,8 @@ def quiet_console(verbose: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # Lightning 2.6 builds torch pytree specs the way torch 2.13 deprecates: nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # torchdata 0.11's StatefulDataLoader calls a torch function torch 2.13 deprecates, at every epoch.
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:

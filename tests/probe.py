@@ -167,3 +167,22 @@ class FirstStep(pl.Callback):
         if "grads" not in self.record and trainer.is_global_zero:
             self.record["grads"] = {name: p.grad.clone() for name, p in pl_module.named_parameters()}
             torch.save(self.record, Path(trainer.default_root_dir) / "first_step.pt")
+
+
+class FinalState(pl.Callback):
+    """Each rank saves what it ends training with, as final.rank<r>.pt in the run directory: its
+    parameters (its own shard or stage where it holds one) and its optimizer's state, to compare
+    a resumed run with an uninterrupted one exactly."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        modules = {"model": pl_module}
+        for index, stage in enumerate(getattr(trainer.strategy, "stages", [])):
+            modules[f"stage{index}"] = stage.submod
+        parameters = {f"{owner}.{name}": _local(p).detach().clone()
+                      for owner, module in modules.items() for name, p in module.named_parameters()}
+        optimizer = trainer.optimizers[0]
+        local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
+        state = [{key: _local(value).clone() if isinstance(value, torch.Tensor) else value
+                  for key, value in entry.items()} for entry in local.state.values()]
+        torch.save({"global_step": trainer.global_step, "parameters": parameters, "optimizer": state},
+                   Path(trainer.default_root_dir) / f"final.rank{trainer.global_rank}.pt")

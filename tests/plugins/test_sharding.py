@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from distributed import save
 from plugins.amp import build_precision
 from plugins.lamb import replace_optimizer
+from plugins.resume import EpochEndPosition
 from plugins.transforms import transform_in_configure_model
 from runner.build import lightning_strategy, model_transforms
 from runner.data import SyntheticClassificationData
@@ -120,7 +121,7 @@ def run(name, plan, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=
                                                                exclude_from_weight_decay=EXCLUDED)
     probe = Probe()
     REDUCE_SCATTERS.calls = 0
-    callbacks = [probe]
+    callbacks = [probe, EpochEndPosition()]  # as lightfleet's runs have
     if checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, filename="half", every_n_train_steps=HALF))
     dtypes = set()

@@ -1,0 +1,131 @@
+"""Resume is exact: `lightfleet resume` from a checkpoint taken mid-run continues to the end of the
+original run, and every rank ends with the parameters and optimizer state of the uninterrupted
+run, bit for bit, with the same losses logged at the same steps.
+
+`resumes_exactly` is the check; tests/test_combinations.py applies it to every allowed row of
+conf/compat.yaml. Here: fp16_allreduce (in no row), plain data parallelism and a single process,
+resumed mid-epoch and at an epoch's last batch, and a user's own model (nested blocks, batch norm,
+dropout) and data module brought through --config-dir."""
+from __future__ import annotations
+
+import csv
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+
+# What the uninterrupted run adds: every rank's final state, and a checkpoint every `step` steps.
+def checkpoint_overrides(step: int) -> list:
+    return ["+callbacks.final._target_=probe.FinalState", f"+callbacks.model_checkpoint.every_n_train_steps={step}",
+            "+callbacks.model_checkpoint.save_top_k=-1"]
+
+
+def losses(run: Path) -> dict:
+    rows = csv.DictReader((run / "csv" / "metrics.csv").open())
+    return {int(r["step"]): r["train_loss"] for r in rows if r["train_loss"]}
+
+
+def resumes_exactly(lightfleet: Callable, tmp_path: Path, full: str, step: int) -> None:
+    """Resume run directory `full` (made with `checkpoint_overrides(step)`) from its checkpoint at
+    `step` and compare the end of both runs, every rank, exactly."""
+    (middle,) = (tmp_path / full / "checkpoints").glob(f"*-step={step}.ckpt")
+    resumed = lightfleet("resume", full, f"ckpt_path='{middle}'", "paths.output_dir=resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ranks = sorted(path.name for path in (tmp_path / full).glob("final.rank*.pt"))
+    assert ranks and ranks == sorted(path.name for path in (tmp_path / "resumed").glob("final.rank*.pt"))
+    for name in ranks:
+        expected, got = (torch.load(tmp_path / run / name, weights_only=False) for run in (full, "resumed"))
+        assert got["global_step"] == expected["global_step"] > step
+        assert got["parameters"].keys() == expected["parameters"].keys()
+        for key, value in expected["parameters"].items():
+            assert torch.equal(got["parameters"][key], value), f"{name}: {key} differs after resume"
+        assert len(got["optimizer"]) == len(expected["optimizer"])
+        for mine, reference in zip(got["optimizer"], expected["optimizer"]):
+            for key, value in reference.items():
+                same = torch.equal(mine[key], value) if isinstance(value, torch.Tensor) else mine[key] == value
+                assert same, f"{name}: optimizer state {key} differs after resume"
+    after = {logged: loss for logged, loss in losses(tmp_path / full).items() if logged >= step}
+    assert losses(tmp_path / "resumed") == after
+
+
+# 512 samples, 64 a batch: 4 batches an epoch on each of 2 replicas (8 alone), so step 10 is in
+# the middle of an epoch and step 8 ends one (Lightning then resumes at the next epoch).
+STEPS = 20
+CASES = {
+    "fp16_allreduce": (["strategy=[fp16_allreduce]", "trainer.devices=2"], 10),
+    "ddp": (["trainer.devices=2"], 10),
+    "ddp_epoch_end": (["trainer.devices=2"], 8),
+    "single": (["trainer.devices=1"], 10),
+    # Dropout draws from every rank's generators; the user's loader shuffles with its own.
+    "user_model": (["--config-dir", "user", "model=user_net", "trainer.devices=2"], 10),
+    "user_model_and_data": (["--config-dir", "user", "model=user_net", "data=user_data", "trainer.devices=1"], 10),
+}
+
+# A user's code, written here so that nothing of lightfleet's is in it.
+USER_CODE = textwrap.dedent('''
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.3))
+
+        def forward(self, x):
+            return x + self.body(x)
+
+
+    class UserNet(pl.LightningModule):
+        def __init__(self, width=16):
+            super().__init__()
+            self.stem = nn.Linear(32, width)
+            self.stages = nn.ModuleList([nn.Sequential(Block(width), Block(width)) for _ in range(2)])
+            self.head = nn.Linear(width, 4)
+
+        def forward(self, x):
+            x = self.stem(x)
+            for stage in self.stages:
+                x = stage(x)
+            return self.head(x)
+
+        def training_step(self, batch, _):
+            loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+    class UserData(pl.LightningDataModule):
+        def __init__(self, num_train=1024):
+            super().__init__()
+            self.num_train = num_train
+
+        def train_dataloader(self):
+            inputs = torch.randn(self.num_train, 32, generator=torch.Generator().manual_seed(1))
+            return StatefulDataLoader(TensorDataset(inputs, (inputs[:, 0] > 0).long()), batch_size=64, shuffle=True)
+    ''')
+USER_CONFIGS = {"model/user_net.yaml": "_target_: user_code.UserNet\n",
+                "data/user_data.yaml": "_target_: user_code.UserData\nnum_train: 1024\n"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_ends_bit_for_bit_where_the_uninterrupted_run_ends(case, lightfleet, tmp_path):
+    (tmp_path / "user_code.py").write_text(USER_CODE)
+    for name, text in USER_CONFIGS.items():
+        (tmp_path / "user" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "user" / name).write_text(text)
+    extra, step = CASES[case]
+    full = lightfleet(*extra, "data.num_train=512", f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1",
+                      "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                      "paths.output_dir=full", *checkpoint_overrides(step))
+    assert full.returncode == 0, full.stderr[-3000:]
+    resumes_exactly(lightfleet, tmp_path, "full", step)
