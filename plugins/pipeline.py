@@ -48,6 +48,9 @@ def split_stages(module: nn.Module, context: ModelContext, split_points: list[st
     over its repeated blocks when empty) and keep this rank's; later transforms change those
     stages. Returns the names where stages begin."""
     strategy = context.strategy
+    if strategy is None:  # the model alone, checked in the command (runner/build.py): the names only
+        stage_split_points(module, split_points, len(split_points) + 1)
+        return []
     if not isinstance(strategy, PipelineStrategy):
         raise ConfigError(KEY, None, f"the pipeline split needs the pipeline's Lightning strategy, not "
                                      f"{type(strategy).__name__}")

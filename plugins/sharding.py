@@ -178,6 +178,8 @@ def shard_parameters(module: nn.Module, context: ModelContext, reshard_after_for
     gathering in the amp dtype under Lightning's `MixedPrecision`. Returns the units, as names
     joined by "+"."""
     strategy = context.strategy
+    if strategy is None:  # the model alone, checked in the command (runner/build.py): no mesh to shard over
+        return []
     dims = ("dp_replicate", "dp_shard") if strategy.layout.dp_replicate > 1 else ("dp_shard",)
     precision = strategy.precision_plugin
     param_dtype = None

@@ -27,6 +27,8 @@ KEY = "strategy.sharding.mp_degree"
 
 def parallelize(module: nn.Module, context: ModelContext) -> list[str]:
     """The plan's tensor_parallel phase: `apply_tensor_parallel` over the strategy's "tp" mesh dim."""
+    if context.strategy is None:  # the model alone, checked in the command (runner/build.py): no mesh
+        return []
     return apply_tensor_parallel(module, context.strategy.device_mesh["tp"])
 
 

@@ -122,17 +122,19 @@ def describe(hint: Any) -> str:
     return str(hint).replace("typing.", "")
 
 
-def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> None:
+def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> Any:
     """Build the model (on the meta device: parameters without storage) and the data module once,
-    so that the constructors' own refusals stop the command: one line naming the node."""
+    so that the constructors' own refusals stop the command: one line naming the node. Returns
+    the meta-device model (None when its constructor needs real tensors)."""
     import torch
     from hydra.utils import instantiate
 
+    built = None
     for key, node in (("model", model), ("data", data)):
         try:
             if key == "model":
                 with torch.device("meta"):
-                    instantiate(node, _convert_="all")
+                    built = instantiate(node, _convert_="all")
             else:
                 instantiate(node, _convert_="all")
         except Exception as error:  # noqa: BLE001 (whatever the user's constructor raises)
@@ -144,3 +146,4 @@ def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> None:
             if named and named.group(1) in node:
                 raise ConfigError(f"{key}.{named.group(1)}", node[named.group(1)], named.group(2)) from None
             raise ConfigError(key, None, f"{node['_target_']} refused its arguments: {reason}") from None
+    return built

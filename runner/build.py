@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from plugins import collective
 from plugins.resume import EpochEndPosition, RandomStates
-from plugins.transforms import Transform, transform_in_configure_model
+from plugins.transforms import ModelContext, Transform, apply_transforms, transform_in_configure_model
 from runner.arguments import check_arguments
 from runner.config import RunSpec
 from runner.errors import ConfigError
@@ -122,6 +122,29 @@ def apply_collective_to_model(model: pl.LightningModule, config: CollectiveConfi
         transform_in_configure_model(model, [(collective.compile_model, {})])
     if config.build_strategy.fuse_all_optimizer_ops:
         replace_optimizers(model, collective.use_foreach)
+
+
+def check_plan_on_model(model: pl.LightningModule, plan: Plan) -> None:
+    """What only the built model can refuse, checked in the command before any directory or rank:
+    the plan's model transforms (recompute's and amp's module names) and its optimizer replacement
+    (the optimizer family lars, lamb and dgc need), on `model` built on the meta device. What
+    needs a rank too (a process group, a trainer) is checked again, fully, in the ranks."""
+    try:
+        apply_transforms(ModelContext(model), model_transforms(plan))
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 (needs the ranks: they check it)
+        pass
+    if plan.optimizer is None:
+        return
+    try:
+        replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
+                                          **plan.optimizer.component.kwargs))
+        model.configure_optimizers()
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 (the user's code may need a trainer, dgc its hook: the ranks check it)
+        pass
 
 
 def model_transforms(plan: Plan) -> List[Transform]:

@@ -109,8 +109,16 @@ def run_app(args: List[str]) -> int:
     elif not (parsed.hydra_help or parsed.shell_completion):
         compose_config(parsed.overrides, parsed.config_dir, config_name, RunMode.RUN)  # errors in one line
     GlobalHydra.instance().clear()
-    _run_hydra(args=parsed, args_parser=parser, task_function=run_job, config_path=str(CONF_DIR),
-               config_name=config_name)
+    try:
+        _run_hydra(args=parsed, args_parser=parser, task_function=run_job, config_path=str(CONF_DIR),
+                   config_name=config_name)
+    except SystemExit as stop:
+        from runner.preemption import PREEMPTED
+
+        if sweep_dir is None or stop.code != PREEMPTED:
+            raise
+        summarize_sweep(sweep_dir)  # a job was preempted: the sweep stops there, its summary says so
+        return PREEMPTED
     return summarize_sweep(sweep_dir) if sweep_dir is not None else 0
 
 

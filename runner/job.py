@@ -41,7 +41,11 @@ def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
     plan = plan_for(spec)
     check_multi_node(World(**plan.world))
     check_devices(spec.trainer, World(**plan.world))
-    check_targets(resolved(spec.cfg))
+    model = check_targets(resolved(spec.cfg))
+    if model is not None:
+        from runner.build import check_plan_on_model
+
+        check_plan_on_model(model, plan)
     run = spec.cfg
     require(run.ckpt_path is not None or not run.evaluate, "evaluate", True, "needs ckpt_path=PATH|last: the weights to evaluate")
     require(not run.test or "pipeline" not in spec.strategies, "test", True,
@@ -51,16 +55,17 @@ def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
     return spec, plan
 
 
-def check_targets(run: Dict[str, Any]) -> None:
+def check_targets(run: Dict[str, Any]) -> Any:
     """The arguments of every `_target_` node against its constructor, then the model and data
-    built once (runner.arguments): all before any directory or process."""
+    built once (runner.arguments): all before any directory or process. Returns the model built
+    on the meta device (None if it could not be)."""
     check_arguments("model", run["model"])
     check_arguments("data", run["data"])
     for group in ("callbacks", "logger"):
         for name, node in (run.get(group) or {}).items():
             if node:
                 check_arguments(f"{group}.{name}", node)
-    check_builds(run["model"], run["data"])
+    return check_builds(run["model"], run["data"])
 
 
 def run_job(cfg: DictConfig) -> Optional[float]:

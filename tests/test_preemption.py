@@ -1,6 +1,7 @@
 """Preemption and orphans through the real command: SIGTERM or SIGUSR1 to the command makes every
 rank finish its step, save checkpoints/last.ckpt at that step and exit 143 with one line saying
-how to resume, and `lightfleet resume` finishes the run; a killed command leaves no rank behind."""
+how to resume, and `lightfleet resume` finishes the run bit for bit as if it had never stopped; a
+sweep stops at its preempted job and summarises; a killed command leaves no rank behind."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ import torch
 import yaml
 
 from runner.preemption import PREEMPTED
+from test_resume import assert_same_end
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REACHED = "reached_step"  # written into the run directory once training has taken a few steps
@@ -30,14 +32,18 @@ class SlowSteps(pl.Callback):
             Path(trainer.default_root_dir, REACHED).touch()
 
 
-def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+# Every run: 40 steps, a loss logged at each, every rank's final state saved (tests/probe.py).
+RUN = ("trainer.max_steps=40", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0",
+       "trainer.log_every_n_steps=1", "+callbacks.final._target_=probe.FinalState")
+
+
+def start(tmp_path: Path, *overrides: str, multirun: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT / "tests"),
                                                                      os.environ.get("PYTHONPATH")]))}
     for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
-    command = [sys.executable, "-m", "runner", "trainer.max_steps=40", "trainer.enable_progress_bar=false",
-               "trainer.limit_val_batches=0", "+callbacks.slow._target_=test_preemption.SlowSteps",
-               "paths.output_dir=run", *overrides]
+    command = [sys.executable, "-m", "runner", *(["-m"] if multirun else []), *RUN,
+               "+callbacks.slow._target_=test_preemption.SlowSteps", *overrides]
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -66,7 +72,7 @@ def rank_pids(parent: int) -> list:
 @pytest.mark.parametrize("ranks, signum", [(1, signal.SIGTERM), (2, signal.SIGTERM), (2, signal.SIGUSR1)],
                          ids=["one_process_sigterm", "two_processes_sigterm", "two_processes_sigusr1"])
 def test_a_signal_checkpoints_the_step_and_resume_finishes(lightfleet, tmp_path, ranks, signum):
-    process = start(tmp_path, f"trainer.devices={ranks}")
+    process = start(tmp_path, f"trainer.devices={ranks}", "paths.output_dir=run")
     wait_for(tmp_path / "run" / REACHED, process)
     signalled = time.monotonic()
     process.send_signal(signum)
@@ -88,10 +94,24 @@ def test_a_signal_checkpoints_the_step_and_resume_finishes(lightfleet, tmp_path,
     resumed = lightfleet("resume", "run", "paths.output_dir=resumed", "trainer.enable_progress_bar=false")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert yaml.safe_load((tmp_path / "resumed" / "results.yaml").read_text())["global_step"] == 40
+    uninterrupted = lightfleet(*RUN, f"trainer.devices={ranks}", "paths.output_dir=full")
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert_same_end(tmp_path / "full", tmp_path / "resumed", step)
+
+
+def test_a_preempted_sweep_stops_at_its_job_and_summarises(tmp_path):
+    process = start(tmp_path, "trainer.devices=1,2", "paths.sweep_dir=sweep", multirun=True)
+    wait_for(tmp_path / "sweep" / "0" / REACHED, process)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == PREEMPTED and "Traceback" not in err, err
+    jobs = yaml.safe_load((tmp_path / "sweep" / "sweep.yaml").read_text())["jobs"]
+    assert list(jobs) == ["0"] and jobs["0"]["status"] == "preempted"  # job 1 never started
+    assert "continue with: lightfleet resume" in jobs["0"]["error"]
 
 
 def test_a_killed_command_leaves_no_rank_behind(tmp_path):
-    process = start(tmp_path, "trainer.devices=2", "trainer.max_steps=400")
+    process = start(tmp_path, "trainer.devices=2", "trainer.max_steps=400", "paths.output_dir=run")
     wait_for(tmp_path / "run" / REACHED, process)
     ranks = rank_pids(process.pid)
     assert len(ranks) == 2

@@ -30,14 +30,20 @@ def losses(run: Path) -> dict:
 
 def resumes_exactly(lightfleet: Callable, tmp_path: Path, full: str, step: int) -> None:
     """Resume run directory `full` (made with `checkpoint_overrides(step)`) from its checkpoint at
-    `step` and compare the end of both runs, every rank, exactly."""
+    `step` and compare the end of both runs."""
     (middle,) = (tmp_path / full / "checkpoints").glob(f"*-step={step}.ckpt")
     resumed = lightfleet("resume", full, f"ckpt_path='{middle}'", "paths.output_dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ranks = sorted(path.name for path in (tmp_path / full).glob("final.rank*.pt"))
-    assert ranks and ranks == sorted(path.name for path in (tmp_path / "resumed").glob("final.rank*.pt"))
+    assert_same_end(tmp_path / full, tmp_path / "resumed", step)
+
+
+def assert_same_end(full: Path, resumed: Path, step: int) -> None:
+    """Every rank of run `resumed` (resumed at `step`) ended exactly as run `full`, which was never
+    interrupted, and logged the same losses from `step` on."""
+    ranks = sorted(path.name for path in full.glob("final.rank*.pt"))
+    assert ranks and ranks == sorted(path.name for path in resumed.glob("final.rank*.pt"))
     for name in ranks:
-        expected, got = (torch.load(tmp_path / run / name, weights_only=False) for run in (full, "resumed"))
+        expected, got = (torch.load(run / name, weights_only=False) for run in (full, resumed))
         assert got["global_step"] == expected["global_step"] > step
         assert got["parameters"].keys() == expected["parameters"].keys()
         for key, value in expected["parameters"].items():
@@ -47,8 +53,7 @@ def resumes_exactly(lightfleet: Callable, tmp_path: Path, full: str, step: int) 
             for key, value in reference.items():
                 same = torch.equal(mine[key], value) if isinstance(value, torch.Tensor) else mine[key] == value
                 assert same, f"{name}: optimizer state {key} differs after resume"
-    after = {logged: loss for logged, loss in losses(tmp_path / full).items() if logged >= step}
-    assert losses(tmp_path / "resumed") == after
+    assert losses(resumed) == {logged: loss for logged, loss in losses(full).items() if logged >= step}
 
 
 # 512 samples, 64 a batch: 4 batches an epoch on each of 2 replicas (8 alone), so step 10 is in

@@ -124,16 +124,31 @@ def test_every_experiment_launches(lightfleet, tmp_path):
         assert read(tmp_path / "sweep" / str(number) / "results.yaml")["global_step"] == 12, config["name"]
 
 
-def test_error_only_the_built_model_reveals_stops_every_rank_with_status_2(lightfleet, tmp_path):
-    done = lightfleet("strategy=[recompute]", "strategy.recompute.checkpoints=[blokcs.0]", "trainer.devices=2",
+def test_errors_only_the_built_model_reveals_are_refused_before_any_rank_starts(lightfleet, tmp_path):
+    """The model is built once on the meta device in the command: module names and the optimizer
+    family a strategy needs are refused there, one line, nothing created."""
+    for overrides, message in (
+            (["strategy=[recompute]", "strategy.recompute.checkpoints=[blokcs.0]"],
+             "strategy.recompute.checkpoints='blokcs.0': matches no module of the model; module names include "),
+            (["strategy=[pipeline]", "strategy.pipeline.split_points=[blokcs.1]"],
+             "strategy.pipeline.split_points=['blokcs.1']: name no module of the model"),
+            (["strategy=[lars]", "model=gpt", "data=language_model"],
+             "model.optimizer='AdamW': lars needs momentum SGD (torch.optim.SGD with momentum > 0)")):
+        done = lightfleet(*overrides, "trainer.devices=2", "paths.output_dir=run", *fast())
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.startswith(f"lightfleet: error: {message}") and len(done.stderr.splitlines()) == 1
+        assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_that_refuses_stops_every_rank_with_status_2_and_its_reason(lightfleet, tmp_path):
+    # How many split points the pipeline takes depends on its layout, which the ranks know.
+    done = lightfleet("strategy=[pipeline]", "strategy.pipeline.split_points=[blocks.1,blocks.2]", "trainer.devices=2",
                       "paths.output_dir=run", *fast())
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
-    assert "strategy.recompute.checkpoints='blokcs.0': matches no module" in done.stderr
-    assert "did you mean blocks.0" in done.stderr
     last = done.stderr.strip().splitlines()[-1]  # the command's last word names a failing rank's reason
-    assert re.match(r"lightfleet: run failed: rank [01]: error: strategy.recompute.checkpoints='blokcs.0': "
-                    r"matches no module", last), last
+    assert re.match(r"lightfleet: run failed: rank [01]: error: strategy.pipeline.split_points=\['blocks.1', "
+                    r"'blocks.2'\]: name 2 stage beginnings; 2 stages need 1", last), last
     assert (tmp_path / "run" / "config.yaml").is_file()  # what was written stays
 
 
