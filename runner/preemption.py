@@ -2,9 +2,11 @@
 every rank finish the step it is in, save checkpoints/last.ckpt at that step, and exit with
 status PREEMPTED; `lightfleet resume RUN_DIR` continues from there (docs/reliability.md).
 
-The signal handlers only note the signal. The ranks agree at the end of each optimizer step, with
+The signal handlers only note the signal. The ranks vote at the end of each optimizer step, with
 one small all-reduce, whether any rank has one, so all stop at the same step and save together
-(a sharded checkpoint is collective). Lightning's own SIGTERM handling is replaced: it stops
+(a sharded checkpoint is collective). The vote runs in the background while the next step
+computes and is read at that step's end: the ranks stop one step after the signal, and the
+vote's latency is hidden (bench/preemption.py). Lightning's own SIGTERM handling is replaced: it stops
 ranks at different steps. A rank whose parent (the lightfleet command) dies takes that as a
 SIGTERM, and leaves on its own if the others do not follow in time.
 """
@@ -42,6 +44,7 @@ class Preemption(pl.Callback):
         self.received = 0  # the signal's number; 0 while none came
         self.agreed_signal = 0
         self.last_step = -1
+        self._vote: Optional[tuple] = None  # (the all-reduce under way, its tensor)
 
     def note(self, signum: int, _frame: Any = None) -> None:
         self.received = self.received or signum
@@ -59,13 +62,25 @@ class Preemption(pl.Callback):
             trainer.save_checkpoint(str(self.checkpoint), weights_only=False)
             raise Preempted(self.agreed_signal, trainer.global_step)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._count_vote()  # no collective left under way when fit ends
+
     def agreed(self, trainer: pl.Trainer) -> bool:
-        """Whether any rank received a signal (the largest number wins)."""
+        """Whether any rank had received a signal by the end of the previous step (the largest
+        number wins), and start the vote of this one. In a single process: a signal so far."""
         flag = torch.tensor([self.received], device=trainer.strategy.root_device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        self.agreed_signal = int(flag.item())
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            self.agreed_signal = self.received
+            return self.agreed_signal != 0
+        self._count_vote()
+        self._vote = (torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True), flag)
         return self.agreed_signal != 0
+
+    def _count_vote(self) -> None:
+        if self._vote is not None:
+            work, flag = self._vote
+            work.wait()
+            self.agreed_signal, self._vote = int(flag.item()), None
 
 
 def watch_parent(preemption: Preemption) -> None:
