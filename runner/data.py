@@ -5,6 +5,7 @@ every process of a distributed run builds identical data whatever the global RNG
 """
 from __future__ import annotations
 
+import os
 from typing import Iterator, Optional, Sequence
 
 import pytorch_lightning as pl
@@ -59,13 +60,15 @@ class _SyntheticData(pl.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         # Resumable bit for bit: the loader is stateful (a checkpoint holds the position in the
-        # epoch), and the order comes from the sampler's own generator seeded by (seed, epoch),
-        # never from the global RNG. The sampler is a DistributedSampler in a single process too
-        # (one replica); given one, Lightning does not wrap it. Lightning sets the epoch at each
-        # epoch's start, but a run resumed mid-epoch skips to its position before that: set it here.
+        # epoch), and the order comes from the sampler's own generator seeded by (the run's seed,
+        # epoch) as Lightning's DistributedSampler is, never from the global RNG. It is one in a
+        # single process too (one replica); given one, Lightning does not wrap it. Lightning sets
+        # the epoch at each epoch's start, but a run resumed mid-epoch skips to its position
+        # before that: set it here.
         trainer = self.trainer  # None when built outside a fit (auto's facts, tests)
         replicas = (trainer and trainer.distributed_sampler_kwargs) or {"num_replicas": 1, "rank": 0}
-        sampler = _EpochAtFirstDraw(self.train_set, shuffle=True, seed=self.seed, **replicas)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything(cfg.seed)
+        sampler = _EpochAtFirstDraw(self.train_set, shuffle=True, seed=seed, **replicas)
         sampler.set_epoch(trainer.current_epoch if trainer else 0)
         return self._loader(self.train_set, sampler=sampler)
 

@@ -56,9 +56,10 @@ def reserve_dir(cfg: DictConfig, hydra_key: str, paths_key: str, subdir: str = "
     check_writable(paths_key if hydra_dir == paths_dir else hydra_key, path)
     if not subdir and _named_by_clock(cfg, hydra_key):
         return fresh_dir(path)
-    if (path / subdir / "config.yaml").exists() or (path / subdir / "multirun.yaml").exists():
-        raise ConfigError(paths_key if hydra_dir == paths_dir else hydra_key, str(path),
-                          "already holds a run; choose another directory")
+    for record, holds in (("config.yaml", "a run"), ("multirun.yaml", "a sweep")):
+        if (path / subdir / record).exists():
+            raise ConfigError(paths_key if hydra_dir == paths_dir else hydra_key, str(path),
+                              f"already holds {holds}; choose another directory")
     return path
 
 

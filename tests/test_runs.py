@@ -152,6 +152,19 @@ def test_a_rank_that_refuses_stops_every_rank_with_status_2_and_its_reason(light
     assert (tmp_path / "run" / "config.yaml").is_file()  # what was written stays
 
 
+def test_a_failed_two_process_job_is_recorded_and_the_sweep_goes_on_and_is_never_rewritten(lightfleet, tmp_path):
+    done = lightfleet("-m", "model=gpt,mlp", "trainer.devices=2", "paths.sweep_dir=sweep", *fast())
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    jobs = read(tmp_path / "sweep" / "sweep.yaml")["jobs"]
+    assert [job["status"] for job in jobs.values()] == ["failed", "finished"]
+    assert "RuntimeError: Expected tensor" in jobs["0"]["error"]
+    before = (tmp_path / "sweep" / "sweep.yaml").read_text()
+    again = lightfleet("-m", "model=mlp", "paths.sweep_dir=sweep", *fast())
+    assert again.returncode == 2 and again.stderr == (f"lightfleet: error: paths.sweep_dir='{tmp_path / 'sweep'}': "
+                                                      "already holds a sweep; choose another directory\n")
+    assert (tmp_path / "sweep" / "sweep.yaml").read_text() == before
+
+
 def test_an_error_in_the_users_code_is_one_line_naming_the_full_traceback(lightfleet, tmp_path):
     """A model that does not fit the data: exit 1, the error in one line, its traceback in a file."""
     single = lightfleet("model.input_dim=7", "paths.output_dir=one", *fast())
