@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Callable, Dict, List, Tuple
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, first_line
 
 # Keys of a `_target_` node that Hydra's instantiate reads itself.
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -141,7 +141,7 @@ def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> Any:
             cause = error.__cause__ or error  # instantiate wraps the constructor's exception
             if "meta" in str(cause):  # a constructor that needs real tensors: it is built in the ranks
                 continue
-            reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            reason = first_line(cause)
             named = re.match(r"(\w+)=\S+: (.*)", reason)  # "batch_size=0: must be >= 1" names an argument
             if named and named.group(1) in node:
                 raise ConfigError(f"{key}.{named.group(1)}", node[named.group(1)], named.group(2)) from None

@@ -126,25 +126,27 @@ def apply_collective_to_model(model: pl.LightningModule, config: CollectiveConfi
 
 def check_plan_on_model(model: pl.LightningModule, plan: Plan) -> None:
     """What only the built model can refuse, checked in the command before any directory or rank:
-    the plan's model transforms (recompute's and amp's module names) and its optimizer replacement
-    (the optimizer family lars, lamb and dgc need), on `model` built on the meta device. What
-    needs a rank too (a process group, a trainer) is checked again, fully, in the ranks."""
-    try:
+    the plan's model transforms (recompute's and amp's module names, pipeline split names) and its
+    optimizer replacement (the optimizer family lars, lamb and dgc need), on `model` built on the
+    meta device. A ConfigError stops the command; anything else needs a rank (a process group, a
+    trainer, dgc's hook state), and the ranks check it again, fully."""
+
+    def transforms() -> None:
         apply_transforms(ModelContext(model), model_transforms(plan))
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 (needs the ranks: they check it)
-        pass
-    if plan.optimizer is None:
-        return
-    try:
-        replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
-                                          **plan.optimizer.component.kwargs))
-        model.configure_optimizers()
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 (the user's code may need a trainer, dgc its hook: the ranks check it)
-        pass
+
+    def optimizer() -> None:
+        if plan.optimizer is not None:
+            replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
+                                              **plan.optimizer.component.kwargs))
+            model.configure_optimizers()
+
+    for check in (transforms, optimizer):
+        try:
+            check()
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 (needs a rank: the ranks check it)
+            pass
 
 
 def model_transforms(plan: Plan) -> List[Transform]:

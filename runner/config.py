@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner import schema, strategies
 from runner.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table
-from runner.errors import ConfigError, Refusal, require
+from runner.errors import ConfigError, Refusal, first_line, require
 from runner.plan import Plan, make_plan
 from runner.world import World
 
@@ -118,9 +118,9 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
         raise _with_known_keys(_explain(error), hydra, config_name, overrides, run_mode) from None
     except ValueError as error:  # Hydra's word on a malformed override, e.g. `model=null`
         raise ConfigError("overrides", " ".join(overrides),
-                          f"{_first_line(error)} (to drop a group use ~GROUP)") from None
+                          f"{first_line(error)} (to drop a group use ~GROUP)") from None
     except TypeError as error:  # Hydra's defaults list on a nested list: strategy=[[amp]]
-        raise ConfigError("overrides", " ".join(overrides), f"cannot be composed ({_first_line(error)}); a "
+        raise ConfigError("overrides", " ".join(overrides), f"cannot be composed ({first_line(error)}); a "
                           "config group takes an option name or a flat list of them: strategy=[amp,recompute]") from None
     except AssertionError:  # OmegaConf's way to refuse a knob under an unselected strategy (None)
         knobs = [o.split("=")[0] for o in overrides if re.match(r"^strategy\.\w+\.", o)]
@@ -166,7 +166,7 @@ def expand_sweep(overrides: Sequence[str], config_dir: Optional[str] = None) -> 
         parsed = OverridesParser.create(load_hydra(config_dir).config_loader).parse_overrides(list(overrides))
         (jobs,) = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     except HydraException as error:
-        raise ConfigError("overrides", " ".join(overrides), _first_line(error)) from None
+        raise ConfigError("overrides", " ".join(overrides), first_line(error)) from None
     return jobs
 
 
@@ -253,7 +253,7 @@ def resolved(cfg: DictConfig) -> Dict[str, Any]:
         raw: Any = OmegaConf.to_container(cfg, resolve=False)  # the `${...}` as written
         for part in key.split("."):
             raw = raw.get(part) if isinstance(raw, dict) else None
-        raise ConfigError(key, raw, f"cannot be resolved: {_first_line(error.__cause__ or error)}") from None
+        raise ConfigError(key, raw, f"cannot be resolved: {first_line(error.__cause__ or error)}") from None
 
 
 def plan_for(spec: RunSpec) -> Plan:
@@ -266,14 +266,10 @@ def plan_for(spec: RunSpec) -> Plan:
     return plan
 
 
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
 def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Exception:
     group = re.search(r"Could not (?:load|find) '([\w/]+?)/(\w+)'", str(error))
     if group is None:
-        return ConfigError("overrides", " ".join(overrides), _first_line(error))
+        return ConfigError("overrides", " ".join(overrides), first_line(error))
     group_name, option = group.group(1), group.group(2)
     if group_name == "strategy":  # the compat check names the known strategies
         try:
@@ -288,7 +284,7 @@ def _explain(error: Exception) -> ConfigError:
     """One line naming the key, the value and what is allowed, from an OmegaConf/Hydra error."""
     cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
     key = getattr(cause, "full_key", None) or ""
-    message = _first_line(cause)
+    message = first_line(cause)
     if "not in struct" in str(cause) or "Key '" in message and "not" in message:
         overridden = re.search(r"Could not override '([\w.]+)'", str(error))
         name = (overridden.group(1) if overridden else key).split(".")

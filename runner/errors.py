@@ -26,6 +26,17 @@ class Refusal(Exception):
     """A configuration that is well-formed but must not run (a forbidden strategy combination)."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message; its type's name when it has none."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def error_line(error: BaseException) -> str:
+    """`error` in one line, its type first: `RuntimeError: mat1 and mat2 shapes ...`."""
+    return f"{type(error).__name__}: {first_line(error)}" if str(error).strip() else type(error).__name__
+
+
 def require(ok: bool, key: str, value: Any, allowed: str, choices: tuple = ()) -> None:
     """Raise ConfigError(key, value, allowed) unless `ok`."""
     if not ok:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from runner.arguments import check_arguments, check_builds
 from runner.config import RunSpec, plan_for, resolved, validate
-from runner.errors import ConfigError, Refusal, exit_on_user_error, require
+from runner.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
 from runner.plan import Plan, format_plan
 from runner.clock import mark_start
 from runner.records import create_run_dir, find_checkpoint, record_failure, records_subdir, write_yaml
@@ -86,7 +86,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
                 raise
             except Exception as error:  # the user's code failed in this process: one line, the rest in the log
                 log_to_file_only("run failed")
-                print(f"lightfleet: run failed: {first_line(error)}; traceback in "
+                print(f"lightfleet: run failed: {error_line(error)}; traceback in "
                       f"{records / (hydra.job.name + '.log')}", file=sys.stderr)
                 sys.exit(1)
             if code:
@@ -115,7 +115,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
         print(f"lightfleet: job {hydra.job.num} error: {error}", file=sys.stderr)
     except Exception as error:  # the job's own code failed in this process: the sweep goes on
         log_to_file_only(f"job {hydra.job.num} failed")
-        print(f"lightfleet: job {hydra.job.num} failed: {first_line(error)}; traceback in {records / (hydra.job.name + '.log')}", file=sys.stderr)
+        print(f"lightfleet: job {hydra.job.num} failed: {error_line(error)}; traceback in {records / (hydra.job.name + '.log')}", file=sys.stderr)
     return math.nan
 
 
@@ -159,7 +159,7 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         record_failure(records, code, reason)
         return code
     except Exception as error:  # in this process: recorded, then handled as any error
-        record_failure(records, 2 if isinstance(error, ConfigError) else 1, first_line(error))
+        record_failure(records, 2 if isinstance(error, ConfigError) else 1, error_line(error))
         raise
     if (run_dir / "results.yaml").is_file():  # rank 0's; a second node's copy of the command has none
         results = yaml.safe_load((run_dir / "results.yaml").read_text())
@@ -188,11 +188,6 @@ def log_to_file_only(message: str) -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def last_error_line(logs: Path, local_rank: int) -> str:

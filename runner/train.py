@@ -14,7 +14,7 @@ from typing import Any, Dict
 from omegaconf import OmegaConf
 
 from runner.config import RunSpec, validate
-from runner.errors import ConfigError, Refusal, exit_on_user_error, require
+from runner.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
 from runner.plan import Plan
 from runner.clock import started_at
 from runner.records import read_plan, write_yaml
@@ -101,9 +101,7 @@ def report_failure(records: Path, error: Exception) -> int:
     path = records / "logs" / f"traceback.rank{rank}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(traceback.format_exception(error)))
-    text = str(error).strip()
-    summary = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
-    print(f"lightfleet: {summary}; traceback in {path}", file=sys.stderr, flush=True)
+    print(f"lightfleet: {error_line(error)}; traceback in {path}", file=sys.stderr, flush=True)
     return 1
 
 

@@ -16,6 +16,8 @@ from typing import Callable
 import pytest
 import torch
 
+from test_hydra_app import USER_MODEL
+
 
 # What the uninterrupted run adds: every rank's final state, and a checkpoint every `step` steps.
 def checkpoint_overrides(step: int) -> list:
@@ -69,44 +71,14 @@ CASES = {
     "user_model_and_data": (["--config-dir", "user", "model=user_net", "data=user_data", "trainer.devices=1"], 10),
 }
 
-# A user's code, written here so that nothing of lightfleet's is in it.
-USER_CODE = textwrap.dedent('''
-    import pytorch_lightning as pl
-    import torch
-    from torch import nn
+# A user's code, written in the tests so that nothing of lightfleet's is in it: test_hydra_app's
+# model (nested blocks, batch norm) with dropout in its blocks, and a data module of the user's.
+BLOCK_BODY = "nn.BatchNorm1d(width), nn.ReLU())"
+assert USER_MODEL.count(BLOCK_BODY) == 1
+USER_CODE = USER_MODEL.replace(BLOCK_BODY, "nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.3))") + textwrap.dedent('''
+
     from torch.utils.data import TensorDataset
     from torchdata.stateful_dataloader import StatefulDataLoader
-
-
-    class Block(nn.Module):
-        def __init__(self, width):
-            super().__init__()
-            self.body = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.3))
-
-        def forward(self, x):
-            return x + self.body(x)
-
-
-    class UserNet(pl.LightningModule):
-        def __init__(self, width=16):
-            super().__init__()
-            self.stem = nn.Linear(32, width)
-            self.stages = nn.ModuleList([nn.Sequential(Block(width), Block(width)) for _ in range(2)])
-            self.head = nn.Linear(width, 4)
-
-        def forward(self, x):
-            x = self.stem(x)
-            for stage in self.stages:
-                x = stage(x)
-            return self.head(x)
-
-        def training_step(self, batch, _):
-            loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
     class UserData(pl.LightningDataModule):
