@@ -26,15 +26,15 @@ sys.path.insert(0, str(ROOT))  # runner/ and bench/ when lightfleet is not insta
 from bench.run import paired_ratio, side_by_side, timed  # noqa: E402
 from bench.spawning import machine  # noqa: E402
 from bench.throughput import LIGHTFLEET_QUIET  # noqa: E402
-from runner.compat import load_table  # noqa: E402
-from runner.contribution import Facts  # noqa: E402
+from runner.config.compat import load_table  # noqa: E402
+from runner.core.contribution import Facts  # noqa: E402
 from runner.strategies.auto import AutoConfig, Candidate, candidates  # noqa: E402
 
 # conf/model/gpt.yaml's decoder is so small (about 15 ms a step) that process start-up would be
 # most of every run; this one takes about 0.12 s a step with 2 processes on one thread each.
 GPT = ["model=gpt", "data=language_model", "model.d_model=128", "model.n_layers=4", "model.seq_len=64",
        "data.seq_len=64"]
-# As auto's trials (runner/autotune.py TRIAL_TRAINER): training steps only, so that the sweep's wall
+# As auto's trials (runner/command/autotune.py TRIAL_TRAINER): training steps only, so that the sweep's wall
 # time is not inflated by work the trials skip.
 LEAN = [*LIGHTFLEET_QUIET, "trainer.limit_val_batches=0"]
 # Statuses auto gives candidates it would never train: the sweep leaves them out too.
@@ -75,7 +75,7 @@ def overrides(c: Candidate, batch_size: int) -> List[str]:
     knobs = [f"strategy.{name}.{knob}={value}"
              for name, values in c.strategies.items() for knob, value in values.items()]
     if "gradient_merge" in c.strategies:
-        # As auto's trials do (runner/autotune.py with_strategies): k micro-batches of batch / k
+        # As auto's trials do (runner/command/autotune.py with_strategies): k micro-batches of batch / k
         # keep the global batch the same.
         knobs.append(f"data.batch_size={batch_size // c.strategies['gradient_merge']['k_steps']}")
     return [f"strategy=[{','.join(c.strategies)}]", *knobs]

@@ -1,5 +1,5 @@
 """What preemption costs a run that is never preempted: the ranks agree after every optimizer
-step whether any of them got a signal (runner/preemption.py: `Preemption.agreed`, one all-reduce
+step whether any of them got a signal (runner/rank/preemption.py: `Preemption.agreed`, one all-reduce
 of a one-element tensor). Measured side by side in 2 processes over gloo: blocks of training
 steps of the quickstart MLP (runner.models.MLPClassifier, batch 64 per process, DDP) with the
 agreement after each step and without it, interleaved; the ratio is the median over the pairs.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))  # runner/ and plugins/ when lightfleet is not ins
 from bench.spawning import free_port, machine  # noqa: E402
 
 from runner.models import MLPClassifier  # noqa: E402
-from runner.preemption import Preemption  # noqa: E402
+from runner.rank.preemption import Preemption  # noqa: E402
 
 WORLD_SIZE, BATCH_SIZE = 2, 64
 

@@ -3,7 +3,7 @@ run (machines are noisy: compare, don't clock). Prints a table and writes a JSON
 
     python bench/run.py                       # every benchmark, results in bench/results.json
     python bench/run.py refusal --repeats 9   # one benchmark
-    python bench/run.py measure               # the cost of runs measuring themselves (runner/measure.py)
+    python bench/run.py measure               # the cost of runs measuring themselves (runner/rank/measure.py)
 """
 from __future__ import annotations
 
@@ -138,10 +138,10 @@ def meter_hook_share(steps: int) -> Dict[str, object]:
     import pytorch_lightning as pl
     import torch
 
-    from runner.build import instantiate_checked
-    from runner.config import compose_config
-    from runner.measure import RunMeter
-    from runner.train import quiet_console
+    from runner.rank.build import instantiate_checked
+    from runner.config.compose import compose_config
+    from runner.rank.measure import RunMeter
+    from runner.rank.train import quiet_console
 
     quiet_console(verbose=False)
     torch.set_num_threads(1)  # as the subprocesses (ENV)
@@ -168,7 +168,7 @@ def measured_vs_not(repeats: int, steps: int) -> Dict[str, Dict[str, List[float]
 
 
 def measurement_overhead(repeats: int, steps: int) -> Dict[str, object]:
-    """What lightfleet measuring itself (runner/measure.py's RunMeter) costs, on the quickstart MLP,
+    """What lightfleet measuring itself (runner/rank/measure.py's RunMeter) costs, on the quickstart MLP,
     whose steps are short (the shorter the step, the larger the share): steady-state time of the
     steps after warm-up with measure.enabled=true over false, interleaved; and, because run-to-run
     noise exceeds 1%, the time inside RunMeter's hooks as a share of training time, in-process

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))  # runner/ and bench/ when lightfleet is not insta
 from bench.run import paired_ratio, timed  # noqa: E402
 from bench.spawning import machine  # noqa: E402
 from runner.data import SyntheticLanguageModelData  # noqa: E402
-from runner.measure import peak_flops  # noqa: E402
+from runner.rank.measure import peak_flops  # noqa: E402
 from runner.models import GPTDecoder  # noqa: E402
 
 SEED = 0

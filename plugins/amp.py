@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from plugins.modules import match_modules
 from plugins.transforms import ModelContext
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 
 class FleetGradScaler(torch.amp.GradScaler):

@@ -1,4 +1,4 @@
-"""auto's facts about a run, gathered on the driver before any rank starts (runner/autotune.py
+"""auto's facts about a run, gathered on the driver before any rank starts (runner/command/autotune.py
 chooses from them): the model is built on the meta device, so its size, optimizer family, block
 list and the bytes one training step saves for backward are known without allocating it."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from plugins.modules import repeated_block_list
-from runner.contribution import Facts
+from runner.core.contribution import Facts
 
 
 def gather_facts(build_model: Callable[[], pl.LightningModule], datamodule: pl.LightningDataModule, *,

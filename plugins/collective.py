@@ -1,5 +1,5 @@
-"""Fleet's collective-training knobs (`collective.*`, runner.schema.CollectiveConfig) carried out by
-PyTorch's own mechanisms; runner/build.py applies them:
+"""Fleet's collective-training knobs (`collective.*`, runner.config.schema.CollectiveConfig) carried out by
+PyTorch's own mechanisms; runner/rank/build.py applies them:
 
 - DDP: bucket_cap_mb and find_unused_parameters, passed to plugins.ddp.build_ddp;
 - Trainer arguments: sync_batchnorm (SyncBatchNorm) and benchmark (cudnn.benchmark);
@@ -22,8 +22,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from plugins.transforms import ModelContext
-from runner.errors import require
-from runner.schema import CollectiveConfig, TrainerConfig, collective_knobs
+from runner.core.errors import require
+from runner.config.schema import CollectiveConfig, TrainerConfig, collective_knobs
 
 # fuse_all_reduce_ops=false: DDP always buckets gradients (a bucket per tensor cannot be asked for);
 # 1 KB buckets come closest, each holding one tensor or a few small ones.

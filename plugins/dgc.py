@@ -19,7 +19,7 @@ from typing_extensions import override
 from plugins.dgc_compression import index_dtype, select
 from plugins.dgc_state import OPTIMIZER_KEY, DGCState
 from plugins.resume import gather, own
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 NEEDS_MOMENTUM_SGD = "dgc needs momentum SGD (torch.optim.SGD with momentum > 0)"
 
@@ -79,7 +79,7 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
 def build_hook(rampup_begin_step: int = 0, rampup_step: int = 1,
                sparsity: Sequence[float] = (0.999,)) -> Tuple[DGCState, Callable]:
     """(state, hook) for `DistributedDataParallel.register_comm_hook`, over the default group.
-    The knobs are checked by the schema (runner.schema.DGCConfig) before any process starts."""
+    The knobs are checked by the schema (runner.config.schema.DGCConfig) before any process starts."""
     return DGCState(rampup_begin_step, rampup_step, sparsity), dgc_hook
 
 

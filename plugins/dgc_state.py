@@ -12,7 +12,7 @@ import torch.distributed as dist
 from pytorch_lightning.utilities import rank_zero_warn
 
 from plugins.dgc_compression import sparsity_at
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 OPTIMIZER_KEY = "model.optimizer"
 

@@ -20,7 +20,7 @@ HOOKS = {"float16": fp16_compress_hook, "bfloat16": bf16_compress_hook}
 def build_hook(dtype: str = "float16") -> Tuple[Optional[object], Callable]:
     """(state, hook) for `DistributedDataParallel.register_comm_hook`, called once the process
     group exists. The state is the process group the hook reduces over: None, the world group.
-    `dtype` is checked by the schema (runner.schema.FP16AllreduceConfig)."""
+    `dtype` is checked by the schema (runner.config.schema.FP16AllreduceConfig)."""
     if dtype == "bfloat16" and dist.is_initialized() and dist.get_backend() == "gloo":
         return None, gloo_bf16_compress_hook
     return None, HOOKS[dtype]

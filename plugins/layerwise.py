@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 # Per-group key holding one bool per parameter of the group: True = no weight decay for it.
 NO_WEIGHT_DECAY = "no_weight_decay"

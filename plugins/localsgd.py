@@ -139,7 +139,7 @@ class ModelAveraging(LocalSGDCallback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # The averager holds the world process group: kept, it would keep the group's gloo threads
-        # alive past destroy_process_group (runner/train.py) until the trainer's reference cycle is
+        # alive past destroy_process_group (runner/rank/train.py) until the trainer's reference cycle is
         # collected at interpreter exit, where a rank can abort ("terminate called without an
         # active exception"). The next fit makes a new one (its step is set at every call).
         self.averager = None

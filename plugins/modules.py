@@ -7,7 +7,7 @@ from typing import Optional
 
 from torch import nn
 
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 
 def match_modules(model: nn.Module, entries: list[str], key: str) -> dict[str, nn.Module]:

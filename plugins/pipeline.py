@@ -28,8 +28,8 @@ from plugins import pipeline_checkpoint
 from plugins.pipeline_split import in_eval_mode, keep_only_stages, stage_ranks, stage_split_points, traced_stages
 from plugins.sharding import layout_mesh, shard_strategy_optimizers
 from plugins.transforms import ModelContext
-from runner.errors import ConfigError
-from runner.world import Layout
+from runner.core.errors import ConfigError
+from runner.core.world import Layout
 
 KEY = "strategy.pipeline"
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B,
@@ -48,7 +48,7 @@ def split_stages(module: nn.Module, context: ModelContext, split_points: list[st
     over its repeated blocks when empty) and keep this rank's; later transforms change those
     stages. Returns the names where stages begin."""
     strategy = context.strategy
-    if strategy is None:  # the model alone, checked in the command (runner/build.py): the names only
+    if strategy is None:  # the model alone, checked in the command (runner/rank/build.py): the names only
         stage_split_points(module, split_points, len(split_points) + 1)
         return []
     if not isinstance(strategy, PipelineStrategy):

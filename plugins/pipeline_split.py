@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from plugins.modules import child_name, repeated_block_list
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 KEY = "strategy.pipeline"
 

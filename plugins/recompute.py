@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plugins.modules import child_name, match_modules, repeated_block_list
 from plugins.transforms import ModelContext
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 KEY = "strategy.recompute.checkpoints"
 

@@ -1,5 +1,5 @@
 """Sharding (Fleet `strategy.sharding`): ZeRO with PyTorch's own machinery, on the layout's mesh
-(runner/world.py): stage 1 is DDP with torch's `ZeroRedundancyOptimizer` over the dp_shard
+(runner/core/world.py): stage 1 is DDP with torch's `ZeroRedundancyOptimizer` over the dp_shard
 group (`build_zero_stage1`); stages 2 and 3 are FSDP2 `fully_shard`, applied by the plan's
 sharding transform (`shard_parameters`) on Lightning's `ModelParallelStrategy` (`build_fsdp`).
 runner/strategies/sharding.py decides what each stage means. Stage 2/3 checkpoints are
@@ -27,7 +27,7 @@ from typing_extensions import override
 from plugins.ddp import FleetDDPStrategy
 from plugins.layerwise import NO_WEIGHT_DECAY
 from plugins.transforms import ModelContext
-from runner.world import Layout
+from runner.core.world import Layout
 
 
 def layout_mesh(device_type: str, layout: Layout, dims: Tuple[str, ...]) -> DeviceMesh:
@@ -178,7 +178,7 @@ def shard_parameters(module: nn.Module, context: ModelContext, reshard_after_for
     gathering in the amp dtype under Lightning's `MixedPrecision`. Returns the units, as names
     joined by "+"."""
     strategy = context.strategy
-    if strategy is None:  # the model alone, checked in the command (runner/build.py): no mesh to shard over
+    if strategy is None:  # the model alone, checked in the command (runner/rank/build.py): no mesh to shard over
         return []
     dims = ("dp_replicate", "dp_shard") if strategy.layout.dp_replicate > 1 else ("dp_shard",)
     precision = strategy.precision_plugin

@@ -20,14 +20,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from plugins.transforms import ModelContext
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 KEY = "strategy.sharding.mp_degree"
 
 
 def parallelize(module: nn.Module, context: ModelContext) -> list[str]:
     """The plan's tensor_parallel phase: `apply_tensor_parallel` over the strategy's "tp" mesh dim."""
-    if context.strategy is None:  # the model alone, checked in the command (runner/build.py): no mesh
+    if context.strategy is None:  # the model alone, checked in the command (runner/rank/build.py): no mesh
         return []
     return apply_tensor_parallel(module, context.strategy.device_mesh["tp"])
 

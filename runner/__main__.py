@@ -1,6 +1,6 @@
 """`python -m runner`: the lightfleet command."""
 import sys
 
-from runner.cli import main
+from runner.command.cli import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
-from runner.errors import require_at_least
+from runner.core.errors import require_at_least
 
 
 # Scale of the class prototypes against the unit noise: an MLP passes 90% accuracy within

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from typing_extensions import override
 
-from runner.errors import require_at_least
+from runner.core.errors import require_at_least
 
 # A torch optimizer class with its hyper-parameters bound, waiting for the parameters:
 # what Hydra builds from a config node with `_partial_: true`.

@@ -9,7 +9,8 @@ from typing import Callable
 
 import pytest
 
-from runner.config import RunSpec, compose_config, validate
+from runner.config.compose import compose_config
+from runner.config.checks import RunSpec, validate
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 

@@ -64,8 +64,8 @@ MUTANTS = [
     # ------------------------------------------------------------------ the harness itself
     Mutant("harness-copy-imported", "harness",
            "python -m runner fails at import: the tests' subprocesses must run the mutated copy",
-           "runner/__main__.py", "from runner.cli import main\n",
-           'raise ImportError("mutations.py: the scratch copy is what runs")\nfrom runner.cli import main\n',
+           "runner/__main__.py", "from runner.command.cli import main\n",
+           'raise ImportError("mutations.py: the scratch copy is what runs")\nfrom runner.command.cli import main\n',
            (wiring("lars"),)),
     # ------------------------------------------------------------------ amp
     Mutant("amp-no-autocast", "amp", "float16 autocast on a hard-coded 'cuda' device: CPU layers never autocast",

@@ -2,7 +2,7 @@
 and a typo in its name; every config group with an unknown option; malformed syntax; and the
 bad inputs a new user tries (issue: reliability). Each must end in exit status 2 with one line
 on stderr, no traceback, and nothing created. They run in this process through the command's
-own entry point (`runner.cli.main`): the refusal path, a few milliseconds each. `dry_run=true`
+own entry point (`runner.command.cli.main`): the refusal path, a few milliseconds each. `dry_run=true`
 rides along, so a line wrongly accepted prints a plan instead of training; bad run directories,
 which only a real run checks, are refused before anything starts."""
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Any, Iterator, List, Tuple
 
 import pytest
 
-from runner import schema, strategies
-from runner.cli import main
+from runner import strategies
+from runner.config import schema
+from runner.command.cli import main
 
 GROUPS = {"model": "mlp", "data": "classification", "trainer": "cpu", "logger": "csv", "callbacks": "default",
           "collective": "default", "debug": "fdr", "experiment": "quickstart"}

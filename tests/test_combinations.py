@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from probe import strategy_tests
-from runner.compat import load_table
+from runner.config.compat import load_table
 from test_resume import checkpoint_overrides, resumes_exactly
 
 ROWS = sorted(sorted(row) for row in load_table().allowed)

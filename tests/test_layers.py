@@ -1,5 +1,6 @@
-"""The import structure of runner/ and plugins/: layers that import only downwards, no loops, a
-pure layer that never imports torch, Lightning or plugins, and one place that makes plans.
+"""The import structure of runner/ and plugins/: runner's folders are its layers (runner.LAYERS,
+bottom to top), each importing only downwards; no loops; the pure modules (runner.PURE) never
+import torch, Lightning, Hydra or plugins; one place makes plans.
 
 Every import counts, also those inside functions (a lazy import still ties the modules)."""
 from __future__ import annotations
@@ -10,28 +11,9 @@ from typing import Dict, List, Set
 
 import pytest
 
+import runner
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# Bottom to top; a module may import modules of its own layer or of layers below it.
-LAYERS = [
-    ["runner", "plugins", "runner.errors", "runner.clock"],
-    ["runner.world"],
-    ["runner.contribution"],
-    ["runner.strategies", "runner.strategies.*"],
-    ["runner.schema"],
-    ["runner.compat", "runner.plan", "runner.knobs"],
-    ["runner.config"],
-    ["runner.records"],
-    ["runner.report", "runner.fleet"],
-    ["plugins.*", "runner.models", "runner.data", "runner.measure", "runner.arguments",
-     "runner.preemption"],
-    ["runner.build"],
-    ["runner.train"],
-    ["runner.launch"],
-    ["runner.autotune"],
-    ["runner.job"],
-    ["runner.cli", "runner.__main__"],
-]
-PURE_LAYERS = 6  # the layers up to the plan: no torch, Lightning, Hydra or plugins
 HEAVY = ("torch", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "hydra", "omegaconf", "plugins")
 
 
@@ -61,11 +43,32 @@ def project_imports(name: str) -> Set[str]:
     return {other for other in imports(name) if other in MODULES and other != name}
 
 
+def top_name(name: str) -> str:
+    """The layer entry of a module: `plugins`, or its name directly under runner/ (folder or module)."""
+    parts = name.split(".")
+    return "plugins" if parts[0] == "plugins" else (parts[1] if len(parts) > 1 else "")
+
+
 def layer_of(name: str) -> int:
-    for index, layer in enumerate(LAYERS):
-        if any(name == pattern or (pattern.endswith(".*") and name.startswith(pattern[:-1])) for pattern in layer):
+    if name == "runner":  # the package itself: LAYERS and its docstring, below everything
+        return -1
+    for index, layer in enumerate(runner.LAYERS):
+        if top_name(name) in layer:
             return index
-    raise AssertionError(f"{name} is in no layer of tests/test_layers.py")
+    raise AssertionError(f"{name}: {top_name(name)!r} is in no layer of runner.LAYERS (runner/__init__.py)")
+
+
+def is_pure(name: str) -> bool:
+    inner = name.split(".", 1)[1] if name.startswith("runner.") else ""
+    return any(inner == pure or inner.startswith(pure + ".") for pure in runner.PURE)
+
+
+def test_every_folder_of_runner_is_a_layer():
+    """A new folder or module under runner/ must be placed in LAYERS; a layer names only what exists."""
+    entries = {path.stem for path in (PROJECT_ROOT / "runner").iterdir()
+               if path.suffix == ".py" and path.stem != "__init__" or (path / "__init__.py").is_file()}
+    listed = {name for layer in runner.LAYERS for name in layer} - {"plugins"}
+    assert entries == listed
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -94,7 +97,7 @@ def test_no_import_loops():
     assert not loops, f"import loops: {[' -> '.join(loop) for loop in loops]}"
 
 
-@pytest.mark.parametrize("name", sorted(name for name in MODULES if layer_of(name) < PURE_LAYERS))
+@pytest.mark.parametrize("name", sorted(name for name in MODULES if is_pure(name)))
 def test_the_pure_layer_imports_nothing_heavy(name):
     heavy = sorted(module for module in imports(name) if module.split(".")[0] in HEAVY)
     assert not heavy, f"{name} imports {heavy}"
@@ -103,11 +106,11 @@ def test_the_pure_layer_imports_nothing_heavy(name):
 def test_plugins_never_import_the_command_line():
     for name in MODULES:
         if name.startswith("plugins"):
-            assert not {"runner.cli", "runner.launch", "runner.train"} & imports(name), name
+            assert not {"runner.command.cli", "runner.command.launch", "runner.rank.train"} & imports(name), name
 
 
 def test_one_place_makes_plans():
-    callers = sorted(name for name, path in MODULES.items() if name != "runner.plan"
+    callers = sorted(name for name, path in MODULES.items() if name != "runner.core.plan"
                      and any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
                              == "make_plan" for node in ast.walk(ast.parse(path.read_text()))))
-    assert callers == ["runner.config"]
+    assert callers == ["runner.config.checks"]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.config import plan_for
-from runner.errors import ConfigError, Refusal
-from runner.plan import format_plan
+from runner.config.checks import plan_for
+from runner.core.errors import ConfigError, Refusal
+from runner.core.plan import format_plan
 
 TWO = "trainer.devices=2"
 

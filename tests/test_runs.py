@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from runner.compat import EXPERIMENTS_DIR
+from runner.config.compat import EXPERIMENTS_DIR
 
 
 

@@ -12,7 +12,7 @@ import inspect
 import pkgutil
 from typing import Dict, Tuple
 
-from runner.contribution import Strategy
+from runner.core.contribution import Strategy
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Optional
 
-from runner.contribution import Component, Contribution, Facts, RunShape, Strategy
-from runner.errors import require
+from runner.core.contribution import Component, Contribution, Facts, RunShape, Strategy
+from runner.core.errors import require
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar, Dict, List
 
-from runner.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
-from runner.errors import require
+from runner.core.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
+from runner.core.errors import require
 
 DTYPES = ("float16", "bfloat16")
 

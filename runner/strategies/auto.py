@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from runner.contribution import Contribution, Facts, Memory, RunShape, Strategy
-from runner.errors import require
+from runner.core.contribution import Contribution, Facts, Memory, RunShape, Strategy
+from runner.core.errors import require
 from runner.strategies import schemas
 
 KEY = "strategy.auto."

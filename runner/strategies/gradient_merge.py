@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional
 
-from runner.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
-from runner.errors import require
+from runner.core.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
+from runner.core.errors import require
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, List, Optional
 
-from runner.contribution import Component, Contribution, Facts, RunShape, Strategy
-from runner.errors import require
+from runner.core.contribution import Component, Contribution, Facts, RunShape, Strategy
+from runner.core.errors import require
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional
 
-from runner.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
-from runner.errors import require
-from runner.world import Layout
+from runner.core.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
+from runner.core.errors import require
+from runner.core.world import Layout
 
 KEY = "strategy.pipeline."
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")

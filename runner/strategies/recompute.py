@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, List, Optional
 
-from runner.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
+from runner.core.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional
 
-from runner.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
-from runner.errors import require
-from runner.world import Layout, layout
+from runner.core.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
+from runner.core.errors import require
+from runner.core.world import Layout, layout
 
 KEY = "strategy.sharding."
 

@@ -13,7 +13,7 @@ from plugins.amp import FleetGradScaler, apply_precision_lists, build_precision
 from probe import Knob, WiringCase
 from plugins.transforms import ModelContext
 from runner.data import SyntheticClassificationData
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
 
 INF = float("inf")

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from probe import Knob, WiringCase
-from runner.compat import load_table
-from runner.contribution import Facts, Memory
+from runner.config.compat import load_table
+from runner.core.contribution import Facts, Memory
 from runner.strategies import schemas
 from runner.strategies.auto import AutoConfig, candidates, estimate, fits, rules
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 
 STEPS = ["trainer.max_steps=3", "trainer.enable_progress_bar=false", "paths.output_dir=run"]
 PROBE = "+callbacks.probe._target_=test_collective.CollectiveProbe"
@@ -99,8 +99,8 @@ def test_sync_batch_norm_on_cuda_converts_every_nested_batch_norm(spec_for):
     forward does): the knob's Trainer argument, and the layer sync of lightfleet's DDP with it
     converting every batch norm of a model that is not ours."""
     from plugins import collective
-    from runner.build import lightning_strategy
-    from runner.config import plan_for
+    from runner.rank.build import lightning_strategy
+    from runner.config.checks import plan_for
 
     spec = spec_for("collective.sync_batch_norm=true", TWO_RANKS)
     args = collective.trainer_args(OmegaConf.to_object(spec.cfg.collective), spec.trainer, "cuda")
@@ -128,7 +128,7 @@ HIERARCHICAL = ["collective.use_hierarchical_allreduce=true", "strategy=[shardin
     (["trainer.devices=4", "collective.hierarchical_allreduce_inter_nranks=4"], {"dp_replicate": 1, "dp_shard": 4}),
 ])
 def test_hierarchical_allreduce_is_hybrid_sharding_of_inner_groups(spec_for, overrides, mesh):
-    from runner.config import plan_for
+    from runner.config.checks import plan_for
 
     plan = plan_for(spec_for(*HIERARCHICAL, *overrides))
     layout = plan.lightning_strategy.component.kwargs["layout"]

@@ -22,7 +22,7 @@ from plugins.dgc import build_hook, replace_optimizer
 from plugins.dgc_compression import message_bytes, sparsity_at, top_k
 from plugins.dgc_state import DGCState
 from probe import Knob, WiringCase
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 1e-3

@@ -12,7 +12,7 @@ from optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomp
 from optimizer_checks import excludes, group_key, step_both, two_group_mlp, two_group_scheduler
 from plugins.lars import LARS, replace_optimizer
 from probe import Knob, WiringCase
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
 
 

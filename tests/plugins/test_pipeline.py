@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from distributed import load_ranks, run_two_ranks
 from plugins.pipeline_split import balanced_cuts, stage_ranks, stage_split_points
 from probe import Knob, WiringCase
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier
 
 LR, MOMENTUM, MICRO, ACCUMULATE, STEPS, TRAIN_STEPS, ADAMW_LR, GAMMA = 0.1, 0.9, 4, 4, 4, 25, 0.01, 0.5
@@ -48,7 +48,7 @@ from plugins.resume import EpochEndPosition
 from plugins.recompute import apply_recompute
 from plugins.transforms import transform_in_configure_model
 from runner.data import SyntheticClassificationData
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from runner.models import MLPClassifier, ResNetClassifier
 
 OUT = Path(sys.argv[1])

@@ -17,7 +17,7 @@ from plugins.recompute import apply_recompute
 from plugins.transforms import ModelContext
 from probe import Knob, WiringCase
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier
 
 

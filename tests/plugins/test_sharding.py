@@ -41,11 +41,11 @@ from plugins.amp import build_precision
 from plugins.lamb import replace_optimizer
 from plugins.resume import EpochEndPosition
 from plugins.transforms import transform_in_configure_model
-from runner.build import lightning_strategy, model_transforms
+from runner.rank.build import lightning_strategy, model_transforms
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
-from runner.plan import make_plan
-from runner.schema import TrainerConfig
+from runner.core.plan import make_plan
+from runner.config.schema import TrainerConfig
 from runner.strategies.sharding import ShardingConfig
 
 OUT = Path(sys.argv[1])
@@ -328,10 +328,10 @@ def test_offload_keeps_optimizer_state_on_the_host_while_computing_on_cuda(tmp_p
     import pytorch_lightning as pl
 
     from plugins.transforms import transform_in_configure_model
-    from runner.build import lightning_strategy, model_transforms
+    from runner.rank.build import lightning_strategy, model_transforms
     from runner.data import SyntheticClassificationData
-    from runner.plan import make_plan
-    from runner.schema import TrainerConfig
+    from runner.core.plan import make_plan
+    from runner.config.schema import TrainerConfig
     from runner.strategies.sharding import ShardingConfig
 
     seen = {}

@@ -26,7 +26,7 @@ from distributed import save
 from plugins.recompute import apply_recompute
 from plugins.tensor_parallel import apply_tensor_parallel
 from plugins.transforms import ModelContext
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""runner.arguments: the arguments of a user's own `_target_` nodes (a module written here, with
+"""runner.config.arguments: the arguments of a user's own `_target_` nodes (a module written here, with
 nested blocks and batch norm) against its constructors' signatures and annotations."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from runner.arguments import check_arguments, check_builds
-from runner.errors import ConfigError
+from runner.config.arguments import check_arguments, check_builds
+from runner.core.errors import ConfigError
 
 USER_CODE = '''
 from typing import List, Literal, Optional

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.build import replace_optimizers
+from runner.rank.build import replace_optimizers
 from runner.models import MLPClassifier
 
 

@@ -14,7 +14,7 @@ HEAVY = ("torch", "pytorch_lightning", "lightning_fabric")
 
 def decide_in_process(*args: str, heavy=HEAVY + ("hydra", "omegaconf")) -> str:
     """Run main() in a fresh interpreter; return which heavy modules it imported before exiting."""
-    code = ("import sys\nfrom runner.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+    code = ("import sys\nfrom runner.command.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    assert e.code == 2, e.code\n"
             f"print(','.join(m for m in {heavy!r} if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from runner.compat import CONF_DIR, check, closest, load_table, strategies_from_argv
-from runner.errors import ConfigError, Refusal
+from runner.config.compat import CONF_DIR, check, closest, load_table, strategies_from_argv
+from runner.core.errors import ConfigError, Refusal
 
 TABLE = load_table()
 # A small table of two rows: exercises the rules themselves.

@@ -5,8 +5,8 @@ import inspect
 
 import pytest
 
-from runner.errors import ConfigError
-from runner.schema import TrainerConfig
+from runner.core.errors import ConfigError
+from runner.config.schema import TrainerConfig
 
 
 def test_defaults_compose(spec_for):
@@ -78,8 +78,8 @@ def test_trainer_schema_covers_lightning_trainer():
 
 
 def test_knob_reference_is_current():
-    """docs/knobs.md is generated from the schema: regenerate with `python -m runner.knobs > docs/knobs.md`."""
-    from runner.compat import PROJECT_ROOT
-    from runner.knobs import render
+    """docs/knobs.md is generated from the schema: regenerate with `python -m runner.config.knobs > docs/knobs.md`."""
+    from runner.config.compat import PROJECT_ROOT
+    from runner.config.knobs import render
 
     assert (PROJECT_ROOT / "docs" / "knobs.md").read_text() == render()

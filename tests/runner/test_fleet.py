@@ -13,10 +13,11 @@ import yaml
 from omegaconf import OmegaConf
 
 from runner import strategies
-from runner.compat import EXPERIMENTS_DIR
-from runner.config import compose_config, plan_for, validate
-from runner.errors import Refusal
-from runner.fleet import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, RENAMED, collective_fields, configured_strategy,
+from runner.config.compat import EXPERIMENTS_DIR
+from runner.config.compose import compose_config
+from runner.config.checks import plan_for, validate
+from runner.core.errors import Refusal
+from runner.fleet.prototxt import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, RENAMED, collective_fields, configured_strategy,
                           knob_of, main, run_command, shortest_float32, strategy_class)
 from runner.strategies.amp import AmpConfig
 
@@ -339,7 +340,7 @@ def test_docs_name_every_fleet_field():
 
 def test_the_commands_import_nothing_heavy(tmp_path):
     (tmp_path / "in.prototxt").write_text(RESNET50)
-    code = ("import sys\nfrom runner.cli import main\n"
+    code = ("import sys\nfrom runner.command.cli import main\n"
             "main(['import-fleet', 'in.prototxt', '-o', 'out/experiment/x.yaml'])\n"
             "print(','.join(m for m in ('torch', 'pytorch_lightning', 'hydra', 'omegaconf') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)

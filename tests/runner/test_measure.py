@@ -1,4 +1,4 @@
-"""Every run measures itself (runner/measure.py): figures checked against independent ones — the
+"""Every run measures itself (runner/rank/measure.py): figures checked against independent ones — the
 samples the data and the step count imply, the test's own clock, torch's FLOP counter, and a
 wider model's memory."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
-from runner.measure import RankFigures, RunMeter, peak_flops, percentile
+from runner.rank.measure import RankFigures, RunMeter, peak_flops, percentile
 from runner.models import GPTDecoder
 
 STEPS = 30

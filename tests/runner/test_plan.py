@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 
-from runner.contribution import Component, Contribution
-from runner.errors import ConfigError, Refusal
-from runner.plan import PHASES, Plan, format_plan, make_plan
-from runner.schema import TrainerConfig
+from runner.core.contribution import Component, Contribution
+from runner.core.errors import ConfigError, Refusal
+from runner.core.plan import PHASES, Plan, format_plan, make_plan
+from runner.config.schema import TrainerConfig
 from runner.strategies.amp import AmpConfig
 from runner.strategies.gradient_merge import GradientMergeConfig
 from runner.strategies.pipeline import PipelineConfig

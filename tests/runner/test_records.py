@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hydra.types import RunMode
 
-from runner.config import compose_config
-from runner.errors import ConfigError
-from runner.records import reserve_dir
+from runner.config.compose import compose_config
+from runner.core.errors import ConfigError
+from runner.records.run_dir import reserve_dir
 
 
 def reserve(*overrides: str, sweep: bool = False):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from runner import strategies
-from runner.compat import CONF_DIR, PROJECT_ROOT, load_table
+from runner.config.compat import CONF_DIR, PROJECT_ROOT, load_table
 
 
 def test_registry_config_files_table_and_knob_reference_agree():
@@ -33,7 +33,7 @@ def test_registry_config_files_table_and_knob_reference_agree():
 
 
 def test_a_table_naming_no_strategy_is_an_error(tmp_path):
-    from runner.errors import ConfigError
+    from runner.core.errors import ConfigError
 
     (tmp_path / "compat.yaml").write_text("allowed:\n  - [amp, recompte]\n")
     with pytest.raises(ConfigError, match=r"^conf/compat.yaml='recompte': names no strategy.*did you mean recompute"):
@@ -67,7 +67,7 @@ THROWAWAY = {
         from dataclasses import dataclass
         from typing import ClassVar
 
-        from runner.contribution import Component, Contribution, RunShape, Strategy
+        from runner.core.contribution import Component, Contribution, RunShape, Strategy
 
 
         @dataclass

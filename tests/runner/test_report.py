@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import yaml
 
-from runner.report import Job, differing_knobs, main, pareto_front, read_loss_curve
+from runner.records.report import Job, differing_knobs, main, pareto_front, read_loss_curve
 
 MEASURES = ["status", "world_size", "step_time_ms", "samples_per_s", "tokens_per_s", "mfu", "speedup",
             "peak_memory_mb", "train_loss", "val_loss", "seed", "git_commit"]

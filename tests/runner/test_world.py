@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.errors import ConfigError
-from runner.schema import TrainerConfig
-from runner.world import Layout, World, layout
+from runner.core.errors import ConfigError
+from runner.config.schema import TrainerConfig
+from runner.core.world import Layout, World, layout
 
 
 def test_world_from_the_trainer_config():

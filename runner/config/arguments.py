@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Callable, Dict, List, Tuple
 
-from runner.errors import ConfigError, first_line
+from runner.core.errors import ConfigError, first_line
 
 # Keys of a `_target_` node that Hydra's instantiate reads itself.
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}

@@ -2,7 +2,7 @@
 
 Hydra has made the job's directory (`hydra.runtime.output_dir`) and its log file. The job checks
 its config (again, cheaply: a sweeper such as Optuna makes jobs the command never saw), records
-config, plan and environment there and launches its processes (runner/launch.py). It returns
+config, plan and environment there and launches its processes (runner/command/launch.py). It returns
 the run's `optimized_metric` for sweepers that optimise one, and NaN for a job that could not run
 (Optuna marks that trial failed and goes on).
 """
@@ -21,21 +21,21 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.arguments import check_arguments, check_builds
-from runner.config import RunSpec, plan_for, resolved, validate
-from runner.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
-from runner.plan import Plan, format_plan
-from runner.clock import mark_start
-from runner.records import create_run_dir, find_checkpoint, record_failure, records_subdir, write_yaml
-from runner.world import World, check_multi_node
+from runner.config.arguments import check_arguments, check_builds
+from runner.config.checks import RunSpec, plan_for, resolved, validate
+from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
+from runner.core.plan import Plan, format_plan
+from runner.core.clock import mark_start
+from runner.records.run_dir import create_run_dir, find_checkpoint, record_failure, records_subdir, write_yaml
+from runner.core.world import World, check_multi_node
 
 log = logging.getLogger(__name__)
 
 
 def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
-    """Validate, plan (runner.config.plan_for, after the table's check), and check the world
+    """Validate, plan (runner.config.checks.plan_for, after the table's check), and check the world
     against the machine; every rank reads the plan the job saves."""
-    from runner.launch import check_devices
+    from runner.command.launch import check_devices
 
     spec = validate(cfg)
     plan = plan_for(spec)
@@ -43,7 +43,7 @@ def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
     check_devices(spec.trainer, World(**plan.world))
     model = check_targets(resolved(spec.cfg))
     if model is not None:
-        from runner.build import check_plan_on_model
+        from runner.rank.build import check_plan_on_model
 
         check_plan_on_model(model, plan)
     run = spec.cfg
@@ -57,7 +57,7 @@ def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
 
 def check_targets(run: Dict[str, Any]) -> Any:
     """The arguments of every `_target_` node against its constructor, then the model and data
-    built once (runner.arguments): all before any directory or process. Returns the model built
+    built once (runner.config.arguments): all before any directory or process. Returns the model built
     on the meta device (None if it could not be)."""
     check_arguments("model", run["model"])
     check_arguments("data", run["data"])
@@ -105,7 +105,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     print(f"lightfleet: job {hydra.job.num}: {' '.join(command)}", flush=True)
     mark_start()  # the job's start-up time counts from here, not from the sweep's start
     try:
-        from runner.preemption import PREEMPTED
+        from runner.rank.preemption import PREEMPTED
 
         code = launch(spec, plan, command, records)
         if code == PREEMPTED:  # the sweep stops with its job, as a run does
@@ -124,12 +124,12 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from runner.preemption import PREEMPTED, Preempted, resume_line
+    from runner.rank.preemption import PREEMPTED, Preempted, resume_line
 
-    from runner import launch as launcher
+    from runner.command import launch as launcher
 
     if "auto" in plan.strategies:  # chosen now, before any rank starts
-        from runner.autotune import choose
+        from runner.command.autotune import choose
 
         chosen = choose(spec, records, command)
         if chosen is None:  # strategy.auto.search_only

@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
 
-from runner.errors import ConfigError, require
+from runner.core.errors import ConfigError, require
 
 # Set by torchrun, SLURM's srun or another launcher that already started this process.
 EXTERNAL_LAUNCH_VARS = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")

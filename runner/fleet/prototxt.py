@@ -28,9 +28,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 from google.protobuf.descriptor import FieldDescriptor
 
 from runner import strategies
-from runner.schema import CollectiveConfig, ParameterServerConfig, collective_knobs
-from runner.compat import EXPERIMENTS_DIR, check, load_table
-from runner.errors import ConfigError, Refusal, exit_on_user_error
+from runner.config.schema import CollectiveConfig, ParameterServerConfig, collective_knobs
+from runner.config.compat import EXPERIMENTS_DIR, check, load_table
+from runner.core.errors import ConfigError, Refusal, exit_on_user_error
 
 PACKAGE = "paddle.fleet"  # Fleet's package: type names read as in Paddle
 ENUMS = {"Mode": (("COLLECTIVE", 1), ("PS", 2), ("PIPELINE", 3), ("HETER", 4))}

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
-from runner.contribution import Component, Contribution, RunShape, Strategy
-from runner.errors import Refusal
-from runner.schema import TrainerConfig
-from runner.world import World
+from runner.core.contribution import Component, Contribution, RunShape, Strategy
+from runner.core.errors import Refusal
+from runner.core.world import World
 
 EXCLUSIVE_SLOTS = ("precision", "lightning_strategy", "optimizer", "comm_hook")
 # The order model transforms run in, all once the process group exists (in the model's
@@ -63,11 +62,11 @@ class Plan:
                    callbacks=[Claim.from_dict(c) for c in data["callbacks"]], notes=list(data["notes"]))
 
 
-def make_plan(strategies: Dict[str, Strategy], trainer: TrainerConfig, batch_size: Optional[int] = None) -> Plan:
+def make_plan(strategies: Dict[str, Strategy], trainer: Any, batch_size: Optional[int] = None) -> Plan:
     """Combine the selected strategies' contributions into one plan.
 
     `strategies` maps name -> validated knobs (in selection order); `trainer` is the validated
-    TrainerConfig; `batch_size` the data's batch size, if known. A strategy whose knobs do not
+    TrainerConfig (runner/config/schema.py); `batch_size` the data's batch size, if known. A strategy whose knobs do not
     fit the run (degrees against the world size) raises ConfigError; a broken plan rule raises
     Refusal naming the strategies involved.
     """
@@ -107,9 +106,9 @@ def make_plan(strategies: Dict[str, Strategy], trainer: TrainerConfig, batch_siz
     return plan
 
 
-def _claim_trainer_args(plan: Plan, name: str, trainer_args: Dict[str, Any], trainer: TrainerConfig) -> None:
+def _claim_trainer_args(plan: Plan, name: str, trainer_args: Dict[str, Any], trainer: Any) -> None:
     """One value per trainer argument, and none against the user's own setting."""
-    defaults = TrainerConfig()
+    defaults = type(trainer)()  # the schema's TrainerConfig, at its defaults
     for arg, value in trainer_args.items():
         if arg in plan.trainer_args and plan.trainer_args[arg]["value"] != value:
             raise Refusal(f"{plan.trainer_args[arg]['by']} and {name} both set trainer.{arg}; choose one of them")

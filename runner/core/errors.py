@@ -45,7 +45,7 @@ def require(ok: bool, key: str, value: Any, allowed: str, choices: tuple = ()) -
 
 def require_at_least(lowest: int, **values: Any) -> None:
     """For constructors: ValueError("name=value: must be >= lowest") for a value below `lowest`
-    (the command names the config key: runner.arguments.check_builds)."""
+    (the command names the config key: runner.config.arguments.check_builds)."""
     for name, value in values.items():
         if value < lowest:
             raise ValueError(f"{name}={value!r}: must be >= {lowest}")

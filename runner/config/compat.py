@@ -15,9 +15,9 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 import yaml
 
 from runner import strategies
-from runner.errors import ConfigError, Refusal
+from runner.core.errors import ConfigError, Refusal
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = PROJECT_ROOT / "conf"
 EXPERIMENTS_DIR = PROJECT_ROOT / "experiments"
 

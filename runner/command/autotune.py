@@ -22,16 +22,16 @@ import yaml
 from omegaconf import OmegaConf
 
 from plugins.auto import gather_facts
-from runner.build import device_type, instantiate_checked
-from runner.compat import load_table
-from runner.config import RunSpec, plan_for, validate
-from runner.contribution import Facts
-from runner.errors import ConfigError, Refusal
-from runner.plan import Plan
-from runner.records import create_run_dir, write_yaml
+from runner.rank.build import device_type, instantiate_checked
+from runner.config.compat import load_table
+from runner.config.checks import RunSpec, plan_for, validate
+from runner.core.contribution import Facts
+from runner.core.errors import ConfigError, Refusal
+from runner.core.plan import Plan
+from runner.records.run_dir import create_run_dir, write_yaml
 from runner.strategies import schemas
 from runner.strategies.auto import AutoConfig, Candidate, candidates, considered, rules, trial_order
-from runner.world import World
+from runner.core.world import World
 
 # What a trial leaves out: it only measures speed and memory.
 TRIAL_TRAINER = {"limit_val_batches": 0, "enable_checkpointing": False, "enable_progress_bar": False,
@@ -120,7 +120,7 @@ def run_trial(spec: RunSpec, c: Candidate, auto: AutoConfig, trial_dir: Path, co
     create_run_dir(trial.cfg, plan_for(trial), command, trial_dir)
     log = trial_dir / "trial.log"
     with log.open("w") as output:
-        done = subprocess.run([sys.executable, "-m", "runner.launch", str(trial_dir)], stdout=output,
+        done = subprocess.run([sys.executable, "-m", "runner.command.launch", str(trial_dir)], stdout=output,
                               stderr=subprocess.STDOUT)
     if (trial_dir / "results.yaml").is_file():
         results = yaml.safe_load((trial_dir / "results.yaml").read_text())

@@ -1,4 +1,4 @@
-"""What a strategy says it adds to a run, as plain data; runner/plan.py combines these.
+"""What a strategy says it adds to a run, as plain data; runner/core/plan.py combines these.
 
 A strategy (runner/strategies/<name>.py) is a dataclass of its knobs deriving from `Strategy`:
 its fields are the knobs (each documented by the string under it), `__post_init__` checks
@@ -11,8 +11,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-from runner.errors import Refusal
-from runner.world import Layout, World
+from runner.core.errors import Refusal
+from runner.core.world import Layout, World
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Compose a run's config with Hydra and check it against the schema.
+"""Compose a run's config with Hydra (runner/config/checks.py checks what it composes).
 
 The command and the tests compose through one Hydra object (`load_hydra`): conf/ as the primary
 config directory, a user's `--config-dir` after it, then the ConfigStore, where the schema and the
@@ -8,11 +8,9 @@ naming the key, with the options of every search-path entry for "did you mean".
 """
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from hydra import version
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -27,30 +25,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import schema, strategies
-from runner.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table
-from runner.errors import ConfigError, Refusal, first_line, require
-from runner.plan import Plan, make_plan
-from runner.world import World
+from runner import strategies
+from runner.config import schema
+from runner.config.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table
+from runner.core.errors import ConfigError, Refusal, first_line
 
 CONFIG_NAME = "config"  # conf/config.yaml; also stored as `lightfleet` for users' primary configs
 SAVED_RUN = "lightfleet_saved_run"  # the primary config of `lightfleet replay|resume|eval RUN_DIR`
 TASK_NAME = "lightfleet"
-
-
-@dataclass
-class RunSpec:
-    """A composed, validated run: the config and the strategies' checked knobs."""
-
-    cfg: DictConfig  # merged onto the schema; interpolations not yet resolved
-    strategies: Dict[str, Any]  # name -> schema dataclass instance, in selection order
-    trainer: schema.TrainerConfig
-
-    @property
-    def batch_size(self) -> Optional[int]:
-        """The data's batch size per step and process, when its config has one."""
-        value = self.cfg.data.get("batch_size")
-        return value if isinstance(value, int) else None
 
 
 def register_configs() -> None:
@@ -115,7 +97,7 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
     except MissingConfigException as error:
         raise _missing(error, overrides) from None
     except (HydraException, OmegaConfBaseException) as error:
-        raise _with_known_keys(_explain(error), hydra, config_name, overrides, run_mode) from None
+        raise _with_known_keys(explain(error), hydra, config_name, overrides, run_mode) from None
     except ValueError as error:  # Hydra's word on a malformed override, e.g. `model=null`
         raise ConfigError("overrides", " ".join(overrides),
                           f"{first_line(error)} (to drop a group use ~GROUP)") from None
@@ -170,102 +152,6 @@ def expand_sweep(overrides: Sequence[str], config_dir: Optional[str] = None) -> 
     return jobs
 
 
-def validate(cfg: DictConfig) -> RunSpec:
-    """Merge the composed config onto the schema; build each selected strategy's dataclass (its
-    __post_init__ checks ranges)."""
-    try:
-        # Through a plain container: merged as it comes from Hydra (typed RunConfig already), a key
-        # added with `+key=` would pass the schema unseen.
-        plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-        merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), plain)
-        # The nodes' dataclasses check their ranges as they are built, before anything is created.
-        knobs = {node: OmegaConf.to_object(merged[node]) for node in ("measure", "collective", "parameter_server")}
-        as_localsgd(knobs["parameter_server"], merged)
-        as_hybrid_sharding(knobs["collective"], merged)
-        strategies = {name: OmegaConf.to_object(node) for name, node in merged.strategy.items() if node is not None}
-        trainer = OmegaConf.to_object(merged.trainer)
-        for key, node in [*knobs.items(), ("trainer", trainer), *((f"strategy.{n}", k) for n, k in strategies.items())]:
-            require_finite(key, node)
-    except OmegaConfBaseException as error:
-        raise _explain(error) from None
-    return RunSpec(merged, strategies, trainer)
-
-
-def require_finite(key: str, node: Any) -> None:
-    """Every number of a knob dataclass is finite: inf or nan is refused, naming the knob."""
-    if is_dataclass(node):
-        for item in fields(node):
-            require_finite(f"{key}.{item.name}", getattr(node, item.name))
-    elif isinstance(node, (list, tuple)):
-        require(all(not isinstance(item, float) or math.isfinite(item) for item in node), key, node,
-                "every number must be finite")
-    elif isinstance(node, float):
-        require(math.isfinite(node), key, node, "must be a finite number")
-
-
-def as_localsgd(parameter_server: schema.ParameterServerConfig, merged: DictConfig) -> None:
-    """GEO-SGD is local SGD: parameter_server.mode=geo selects localsgd with its k_steps, in the
-    config itself, so the config the run saves says what ran."""
-    if parameter_server.mode != "geo":
-        return
-    localsgd = merged.strategy.localsgd
-    if localsgd is None:
-        merged.strategy.localsgd = strategies.schemas()["localsgd"](k_steps=parameter_server.k_steps)
-    else:
-        require(localsgd.k_steps == parameter_server.k_steps, "strategy.localsgd.k_steps", localsgd.k_steps,
-                f"parameter_server.mode=geo runs as localsgd with parameter_server.k_steps={parameter_server.k_steps}; "
-                f"set one of them")
-
-
-def as_hybrid_sharding(collective: schema.CollectiveConfig, merged: DictConfig) -> None:
-    """Fleet's two-level allreduce is, for sharded runs, hybrid sharding's 2-D mesh: sharding
-    groups of hierarchical_allreduce_inter_nranks ranks (1, Fleet's default: a node's processes),
-    replicated across the rest. Set as strategy.sharding's degree and dp_degree in the config."""
-    sharding = merged.strategy.sharding
-    if not collective.use_hierarchical_allreduce or sharding is None:
-        return
-    world = World.of(merged.trainer)
-    inner = collective.hierarchical_allreduce_inter_nranks
-    inner = inner if inner > 1 else world.devices
-    key = "collective.hierarchical_allreduce_inter_nranks"
-    require(isinstance(inner, int), "trainer.devices", world.devices, "must be a number with collective.use_hierarchical_allreduce")
-    groups = inner * sharding.mp_degree * sharding.pp_degree
-    world_size = world.known_size("collective.use_hierarchical_allreduce")
-    require(world_size % groups == 0, key, inner,
-            f"sharding groups of {inner} rank(s) (x mp_degree x pp_degree) must divide the {world_size} processes")
-    degrees = {"degree": inner, "dp_degree": world_size // groups}
-    for name, value in degrees.items():
-        default = getattr(type(OmegaConf.to_object(sharding))(), name)
-        require(sharding[name] in (default, value), f"strategy.sharding.{name}", sharding[name],
-                f"collective.use_hierarchical_allreduce sets it to {value}; set one of them")
-        sharding[name] = value
-
-
-def resolved(cfg: DictConfig) -> Dict[str, Any]:
-    """The config as plain data, every interpolation resolved; one that cannot be is one line
-    naming its key (`${now:}`, `${oops}`)."""
-    try:
-        return OmegaConf.to_container(cfg, resolve=True)
-    except (OmegaConfBaseException, HydraException, ValueError) as error:
-        key = getattr(error, "full_key", None) or getattr(error.__cause__, "full_key", None)
-        if not key:
-            raise _explain(error) from None
-        raw: Any = OmegaConf.to_container(cfg, resolve=False)  # the `${...}` as written
-        for part in key.split("."):
-            raw = raw.get(part) if isinstance(raw, dict) else None
-        raise ConfigError(key, raw, f"cannot be resolved: {first_line(error.__cause__ or error)}") from None
-
-
-def plan_for(spec: RunSpec) -> Plan:
-    """The run's plan, once the table allows its strategies: the one place plans are made (by the
-    command, for the run and for auto's trials; ranks read the plan.yaml it saves)."""
-    check(list(spec.strategies), load_table())
-    plan = make_plan(spec.strategies, spec.trainer, spec.batch_size)
-    note = OmegaConf.to_object(spec.cfg.parameter_server).note()
-    plan.notes += [note] if note else []
-    return plan
-
-
 def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Exception:
     group = re.search(r"Could not (?:load|find) '([\w/]+?)/(\w+)'", str(error))
     if group is None:
@@ -280,7 +166,7 @@ def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Excepti
     return ConfigError(group_name, option, f"no such option; choose from: {', '.join(options)}", options)
 
 
-def _explain(error: Exception) -> ConfigError:
+def explain(error: Exception) -> ConfigError:
     """One line naming the key, the value and what is allowed, from an OmegaConf/Hydra error."""
     cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
     key = getattr(cause, "full_key", None) or ""

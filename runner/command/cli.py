@@ -5,7 +5,7 @@ Bad input (a typo, a wrong type, an out-of-range value, a forbidden combination,
 `+key`) ends with one line on stderr and exit status 2 before Hydra makes any directory, any
 process starts or torch is imported: a plain `strategy=[...]` is checked against the table
 before Hydra is even imported, then the command composes the config as Hydra will and checks it
-(every job of a basic sweep too). Only then does Hydra run the job(s) (runner/job.py) in the
+(every job of a basic sweep too). Only then does Hydra run the job(s) (runner/command/job.py) in the
 directory the command reserved.
 """
 from __future__ import annotations
@@ -15,15 +15,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-from runner.compat import check, load_table, strategies_from_argv
-from runner.errors import ConfigError, Refusal, exit_on_user_error
-from runner.clock import mark_start
+from runner.config.compat import check, load_table, strategies_from_argv
+from runner.core.errors import ConfigError, Refusal, exit_on_user_error
+from runner.core.clock import mark_start
 
 if TYPE_CHECKING:  # Hydra, OmegaConf and the config layer are imported only once the table allows the run
     from omegaconf import DictConfig
 
-    from runner.config import RunSpec
-    from runner.plan import Plan
+    from runner.config.checks import RunSpec
+    from runner.core.plan import Plan
 
 # `lightfleet COMMAND RUN_DIR [overrides]`: again from the config a run saved, into a new directory.
 RUN_DIR_COMMANDS = ("replay", "resume", "eval")
@@ -42,11 +42,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.path.insert(0, cwd)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
     if args and args[0] == "report":
-        from runner import report
+        from runner.records import report
 
         return report.main(args[1:])
     if args and args[0] in ("import-fleet", "export-fleet"):
-        from runner import fleet
+        from runner.fleet import prototxt as fleet
 
         return fleet.main(args)
     with exit_on_user_error():
@@ -69,7 +69,7 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
         raise ConfigError(f"lightfleet {command}", args[0] if args else None,
                           "needs a run directory (one holding config.yaml) first: lightfleet "
                           f"{command} RUN_DIR [KEY=VALUE ...]")
-    from runner.config import SAVED_RUN, store_saved_run
+    from runner.config.compose import SAVED_RUN, store_saved_run
 
     run_dir = Path(args[0]).resolve()
     store_saved_run(run_dir)
@@ -87,9 +87,9 @@ def run_app(args: List[str]) -> int:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    from runner.compat import CONF_DIR
-    from runner.config import CONFIG_NAME, compose_config
-    from runner.job import run_job
+    from runner.config.compat import CONF_DIR
+    from runner.config.compose import CONFIG_NAME, compose_config
+    from runner.command.job import run_job
 
     parser = get_args_parser()
     parser.prog = "lightfleet"
@@ -113,7 +113,7 @@ def run_app(args: List[str]) -> int:
         _run_hydra(args=parsed, args_parser=parser, task_function=run_job, config_path=str(CONF_DIR),
                    config_name=config_name)
     except SystemExit as stop:
-        from runner.preemption import PREEMPTED
+        from runner.rank.preemption import PREEMPTED
 
         if sweep_dir is None or stop.code != PREEMPTED:
             raise
@@ -143,10 +143,10 @@ Reserved = Optional[Tuple[Path, List[str]]]  # a directory, and the overrides th
 
 def check_run(overrides: List[str], config_dir: Optional[str], config_name: str) -> Reserved:
     """Compose and check the run; print the plan of a dry run (None), or reserve its directory."""
-    from runner.config import compose_config
-    from runner.plan import format_plan
-    from runner.records import records_subdir, reserve_dir
-    from runner.world import World
+    from runner.config.compose import compose_config
+    from runner.core.plan import format_plan
+    from runner.records.run_dir import records_subdir, reserve_dir
+    from runner.core.world import World
 
     cfg = compose_config(overrides, config_dir, config_name, with_hydra=True)
     spec, plan = composed_job(cfg)
@@ -167,9 +167,9 @@ def check_sweep(overrides: List[str], config_dir: Optional[str], config_name: st
     Reserves the sweep directory (None: a dry run, whose plans are printed)."""
     from hydra.types import RunMode
 
-    from runner.config import compose_config, expand_sweep
-    from runner.plan import format_plan
-    from runner.records import reserve_dir
+    from runner.config.compose import compose_config, expand_sweep
+    from runner.core.plan import format_plan
+    from runner.records.run_dir import reserve_dir
 
     cfg = compose_config(overrides, config_dir, config_name, RunMode.MULTIRUN, with_hydra=True)
     if cfg.hydra.sweeper._target_ != "hydra._internal.core_plugins.basic_sweeper.BasicSweeper":
@@ -198,7 +198,7 @@ def composed_job(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from runner.job import prepare
+    from runner.command.job import prepare
 
     HydraConfig.instance().set_config(cfg)  # `${hydra:...}` resolves as it will in the job
     job_cfg = cfg.copy()
@@ -218,8 +218,8 @@ def summarize_sweep(sweep_dir: Path) -> int:
     did not finish."""
     import yaml
 
-    from runner import report
-    from runner.records import write_yaml
+    from runner.records import report
+    from runner.records.run_dir import write_yaml
 
     jobs = {}
     found = {path.parent for path in sweep_dir.rglob("*.yaml") if path.name in ("config.yaml", "refused.yaml")}

@@ -27,14 +27,14 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from plugins import collective
 from plugins.resume import EpochEndPosition, RandomStates
 from plugins.transforms import ModelContext, Transform, apply_transforms, transform_in_configure_model
-from runner.arguments import check_arguments
-from runner.config import RunSpec
-from runner.errors import ConfigError
-from runner.measure import RunMeter
-from runner.plan import Plan
-from runner.preemption import Preemption
-from runner.records import write_yaml
-from runner.schema import CollectiveConfig
+from runner.config.arguments import check_arguments
+from runner.config.checks import RunSpec
+from runner.core.errors import ConfigError
+from runner.rank.measure import RunMeter
+from runner.core.plan import Plan
+from runner.rank.preemption import Preemption
+from runner.records.run_dir import write_yaml
+from runner.config.schema import CollectiveConfig
 
 DDP_TARGET = "plugins.ddp:build_ddp"  # lightfleet's DDP, which takes the collective knobs' DDP arguments
 # A scheduler re-pointed by `replace_optimizers` warns that its optimizer's step "has been
@@ -59,7 +59,7 @@ def device_type(accelerator: str) -> str:
 
 def instantiate_checked(key: str, node: DictConfig) -> Any:
     """`hydra.utils.instantiate`, after checking the arguments against the target's signature
-    (runner.arguments), so a typo is one line naming the key, not a TypeError in the constructor."""
+    (runner.config.arguments), so a typo is one line naming the key, not a TypeError in the constructor."""
     check_arguments(key, OmegaConf.to_container(node, resolve=True))
     # Plain lists and dicts, not OmegaConf containers: they reach checkpoints' hyper-parameters,
     # which then load with torch.load(weights_only=True) and without omegaconf.

@@ -21,7 +21,7 @@ from lightning_fabric.utilities.throughput import get_available_flops
 from pytorch_lightning.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from runner.clock import started_at
+from runner.core.clock import started_at
 
 # Dense peak FLOP/s of GPUs Lightning's table (lightning_fabric.utilities.throughput) lacks or
 # names ambiguously: the H200 ("NVIDIA H200") and the L40S (which Lightning reads as an L4).

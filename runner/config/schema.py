@@ -2,7 +2,7 @@
 and the run itself, each knob typed and documented.
 
 Plain dataclasses (no torch, no lightning): Hydra composes the YAML in conf/, and
-`runner.config.validate` merges it onto `RunConfig`, so a typo, a wrong type or an out-of-range
+`runner.config.checks.validate` merges it onto `RunConfig`, so a typo, a wrong type or an out-of-range
 value is refused before anything heavy is imported. Each field is documented by the string
 right under it (the source of docs/knobs.md). Strategies' knobs live in runner/strategies/.
 """
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import Any, Dict, Optional
 
 from runner import strategies
-from runner.errors import require
+from runner.core.errors import require
 
 # One field per strategy of the registry.
 StrategyConfig = make_dataclass(

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from runner.errors import ConfigError, exit_on_user_error
+from runner.core.errors import ConfigError, exit_on_user_error
 
 # Config keys that are never knobs: where files go, how they are logged, the run's name, and the
 # seed, which has a column of its own.

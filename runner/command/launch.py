@@ -16,10 +16,10 @@ import sys
 import uuid
 from pathlib import Path
 
-from runner.errors import ConfigError, exit_on_user_error
-from runner.schema import TrainerConfig
-from runner.records import read_plan
-from runner.world import World, launched_externally
+from runner.core.errors import ConfigError, exit_on_user_error
+from runner.config.schema import TrainerConfig
+from runner.records.run_dir import read_plan
+from runner.core.world import World, launched_externally
 
 
 def processes_per_node(world: World) -> int:
@@ -57,7 +57,7 @@ def run(records: Path, world: World) -> None:
     """Train from the config in `records`: in this process, or in one process per device."""
     nproc = processes_per_node(world)
     if launched_externally() or (nproc == 1 and world.num_nodes == 1):
-        from runner.train import train_from
+        from runner.rank.train import train_from
 
         train_from(records)
         return
@@ -77,7 +77,7 @@ def run(records: Path, world: World) -> None:
         rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex)
     # As torchrun does: ranks sharing a node split its cores instead of each grabbing all of them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    os.environ["LIGHTFLEET_RANK_OF"] = str(os.getpid())  # a rank outliving this process stops (runner.preemption)
+    os.environ["LIGHTFLEET_RANK_OF"] = str(os.getpid())  # a rank outliving this process stops (runner.rank.preemption)
     # SLURM's warning before the time limit preempts as SIGTERM does: the agent passes SIGTERM on to
     # the ranks (and waits 30 s for them); SIGUSR1 would end this process at once.
     signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
@@ -92,6 +92,6 @@ def run(records: Path, world: World) -> None:
     elastic_launch(config, sys.executable)("-m", "runner.train", str(records))
 
 
-if __name__ == "__main__":  # `python -m runner.launch RUN_DIR`: a run already recorded (auto's trials)
+if __name__ == "__main__":  # `python -m runner.command.launch RUN_DIR`: a run already recorded (auto's trials)
     with exit_on_user_error():
         run(Path(sys.argv[1]), World(**read_plan(Path(sys.argv[1])).world))

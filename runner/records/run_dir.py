@@ -22,10 +22,10 @@ from typing import Any, Dict, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from runner.compat import PROJECT_ROOT
-from runner.errors import ConfigError, require
-from runner.plan import Plan, format_plan
-from runner.world import World, launched_externally
+from runner.config.compat import PROJECT_ROOT
+from runner.core.errors import ConfigError, require
+from runner.core.plan import Plan, format_plan
+from runner.core.world import World, launched_externally
 
 
 def create_run_dir(cfg: DictConfig, plan: Plan, command: Sequence[str], records: Path) -> None:
