@@ -19,9 +19,10 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -30,9 +31,19 @@ sys.path.insert(0, str(ROOT))
 
 from plugins.lamb import LAMB  # noqa: E402
 from plugins.lars import LARS  # noqa: E402
+from runner.strategies.lamb import LambConfig  # noqa: E402
+from runner.strategies.lars import LarsConfig  # noqa: E402
 
-LARS_KNOBS = dict(lr=0.1, momentum=0.9, lars_coeff=0.001, lars_weight_decay=0.0005, epsilon=0.0)
-LAMB_KNOBS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, lamb_weight_decay=0.01)
+
+def default_knobs(config: Any) -> Dict[str, Any]:
+    """The strategy's default knobs but its exclusion list (the tensors here have no names)."""
+    knobs = asdict(config)
+    del knobs["exclude_from_weight_decay"]
+    return knobs
+
+
+LARS_KNOBS = dict(lr=0.1, momentum=0.9, **default_knobs(LarsConfig()))
+LAMB_KNOBS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, **default_knobs(LambConfig()))
 
 
 def resnet50_shapes(width_divisor: int = 1, num_classes: int = 1000) -> List[Tuple[int, ...]]:

@@ -139,8 +139,10 @@ def worker(schedules: List[str], micro_batches: int, micro_batch_size: int, step
             transform_in_configure_model(model, [(split_stages, {"split_points": []})])
             callback = Probe()
             layout = {"dp_replicate": 1, "dp_shard": 1, "pp": WORLD_SIZE, "tp": 1}
+            strategy = build_pipeline(name, micro_batch_size, micro_batches, vpp_degree=1, layout=layout,
+                                      shard_optimizer_states=False)
             trainer = pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, max_steps=steps + 1, limit_val_batches=0,
-                                 strategy=build_pipeline(name, micro_batch_size, micro_batches, 1, layout),
+                                 strategy=strategy,
                                  callbacks=[callback], logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out.parent))
             data = SyntheticClassificationData(batch_size=micro_batch_size * micro_batches,

@@ -46,10 +46,8 @@ class AdaptiveModelAveraging(LocalSGDCallback):
     """Average the parameters over all processes with a period adapted to the loss (see the
     module docstring); pair with `plugins.localsgd:build_hook(begin_step)`."""
 
-    def __init__(self, init_k_steps: int = 1, begin_step: int = 1) -> None:
+    def __init__(self, *, init_k_steps: int, begin_step: int) -> None:
         super().__init__(begin_step)
-        if init_k_steps < 1:
-            raise ValueError(f"init_k_steps must be >= 1, got {init_k_steps}")
         self.init_k_steps = init_k_steps
         self.k_steps = init_k_steps
         self.lr0: Optional[float] = None

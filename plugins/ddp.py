@@ -8,7 +8,8 @@ too, so this strategy registers them itself.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
@@ -37,6 +38,13 @@ class FleetDDPStrategy(DDPStrategy):
         self.model.register_comm_hook(self.comm_hook_state, hook)
 
 
-def build_ddp(comm_hook: Optional[HookFactory] = None, **ddp_kwargs: Any) -> FleetDDPStrategy:
+def process_group_timeout(timeout_s: Optional[float]) -> Dict[str, timedelta]:
+    """Lightning's `timeout` argument of a strategy from the plan's timeout_s (collective.timeout_s);
+    none: Lightning's default."""
+    return {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+
+
+def build_ddp(comm_hook: Optional[HookFactory] = None, timeout_s: Optional[float] = None,
+              **ddp_kwargs: Any) -> FleetDDPStrategy:
     """`ddp_kwargs` go to DistributedDataParallel (collective.*: bucket_cap_mb, find_unused_parameters)."""
-    return FleetDDPStrategy(comm_hook=comm_hook, **ddp_kwargs)
+    return FleetDDPStrategy(comm_hook=comm_hook, **process_group_timeout(timeout_s), **ddp_kwargs)

@@ -76,10 +76,9 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     return torch.futures.collect_all(gathers).then(decode)
 
 
-def build_hook(rampup_begin_step: int = 0, rampup_step: int = 1,
-               sparsity: Sequence[float] = (0.999,)) -> Tuple[DGCState, Callable]:
+def build_hook(*, rampup_begin_step: int, rampup_step: int, sparsity: Sequence[float]) -> Tuple[DGCState, Callable]:
     """(state, hook) for `DistributedDataParallel.register_comm_hook`, over the default group.
-    The knobs are checked by the schema (runner.config.schema.DGCConfig) before any process starts."""
+    The knobs come checked by DGCConfig (runner/strategies/dgc.py) before any process starts."""
     return DGCState(rampup_begin_step, rampup_step, sparsity), dgc_hook
 
 

@@ -17,10 +17,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 HOOKS = {"float16": fp16_compress_hook, "bfloat16": bf16_compress_hook}
 
 
-def build_hook(dtype: str = "float16") -> Tuple[Optional[object], Callable]:
+def build_hook(dtype: str) -> Tuple[Optional[object], Callable]:
     """(state, hook) for `DistributedDataParallel.register_comm_hook`, called once the process
     group exists. The state is the process group the hook reduces over: None, the world group.
-    `dtype` is checked by the schema (runner.config.schema.FP16AllreduceConfig)."""
+    `dtype` comes checked by FP16AllreduceConfig (runner/strategies/fp16_allreduce.py)."""
     if dtype == "bfloat16" and dist.is_initialized() and dist.get_backend() == "gloo":
         return None, gloo_bf16_compress_hook
     return None, HOOKS[dtype]

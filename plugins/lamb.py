@@ -44,16 +44,11 @@ class LAMB(LayerwiseOptimizer):
 
     weight_decay_key = "lamb_weight_decay"
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        lamb_weight_decay: float = 0.01,
-    ) -> None:
-        if lr < 0 or eps < 0 or lamb_weight_decay < 0:
-            raise ValueError(f"LAMB: lr, eps and lamb_weight_decay must be >= 0, got {lr}, {eps}, {lamb_weight_decay}")
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, *, lamb_weight_decay: float) -> None:
+        # lamb_weight_decay comes checked by LambConfig (runner/strategies/lamb.py), where its range lives.
+        if lr < 0 or eps < 0:
+            raise ValueError(f"LAMB: lr and eps must be >= 0, got {lr}, {eps}")
         if not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"LAMB: betas must lie in [0, 1), got {betas}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, lamb_weight_decay=lamb_weight_decay))
@@ -118,12 +113,8 @@ def _lamb_update(params: List[torch.Tensor], grads: List[torch.Tensor], steps: L
     torch._foreach_addcmul_(params, updates, (trust * -lr).unbind())
 
 
-def replace_optimizer(
-    optimizer: torch.optim.Optimizer,
-    model: nn.Module,
-    lamb_weight_decay: float = 0.01,
-    exclude_from_weight_decay: Sequence[str] = (),
-) -> LAMB:
+def replace_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, *, lamb_weight_decay: float,
+                      exclude_from_weight_decay: Sequence[str]) -> LAMB:
     """LAMB over the parameter groups of the user's Adam or AdamW `optimizer`.
 
     Every group keeps all its keys (lr, initial_lr, betas, eps, ...) and gets

@@ -39,17 +39,10 @@ class LARS(LayerwiseOptimizer):
 
     weight_decay_key = "lars_weight_decay"
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 0.1,
-        momentum: float = 0.9,
-        lars_coeff: float = 0.001,
-        lars_weight_decay: float = 0.0005,
-        epsilon: float = 0.0,
-    ) -> None:
-        for name, value in (("lr", lr), ("momentum", momentum), ("lars_coeff", lars_coeff),
-                            ("lars_weight_decay", lars_weight_decay), ("epsilon", epsilon)):
+    def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9, *, lars_coeff: float,
+                 lars_weight_decay: float, epsilon: float) -> None:
+        # The knobs come checked by LarsConfig (runner/strategies/lars.py), where their ranges live.
+        for name, value in (("lr", lr), ("momentum", momentum)):
             if value < 0:
                 raise ValueError(f"LARS: {name} must be >= 0, got {value}")
         super().__init__(params, dict(lr=lr, momentum=momentum, lars_coeff=lars_coeff,
@@ -86,14 +79,8 @@ def _lars_update(params: List[torch.Tensor], grads: List[torch.Tensor], buffers:
     torch._foreach_sub_(params, buffers)
 
 
-def replace_optimizer(
-    optimizer: torch.optim.Optimizer,
-    model: nn.Module,
-    lars_coeff: float = 0.001,
-    lars_weight_decay: float = 0.0005,
-    epsilon: float = 0.0,
-    exclude_from_weight_decay: Sequence[str] = (),
-) -> LARS:
+def replace_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, *, lars_coeff: float,
+                      lars_weight_decay: float, epsilon: float, exclude_from_weight_decay: Sequence[str]) -> LARS:
     """LARS over the parameter groups of the user's momentum SGD `optimizer`.
 
     Every group keeps all its keys (lr, initial_lr, momentum, ...) and gets `lars_coeff`,

@@ -21,7 +21,7 @@ from typing_extensions import override
 from plugins.resume import gather, own
 
 
-def build_hook(begin_step: int = 1) -> Tuple[PostLocalSGDState, Callable]:
+def build_hook(begin_step: int) -> Tuple[PostLocalSGDState, Callable]:
     """(state, hook) for `DistributedDataParallel.register_comm_hook`: gradients all-reduced over
     the world group for the first `begin_step` iterations, purely local afterwards."""
     state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=begin_step,
@@ -32,11 +32,11 @@ def build_hook(begin_step: int = 1) -> Tuple[PostLocalSGDState, Callable]:
 class LocalSGDCallback(pl.Callback):
     """What local-SGD callbacks share: once training starts, line up the hook's iteration count
     with `trainer.global_step`; after each optimizer step (not after accumulating micro-batches),
-    call `after_optimizer_step` and log `localsgd_syncs`. Does nothing in a single process."""
+    call `after_optimizer_step` and log `localsgd_syncs`. Does nothing in a single process.
+    The knobs come checked by the strategies' dataclasses (runner/strategies/localsgd.py,
+    adaptive_localsgd.py), where their ranges live."""
 
     def __init__(self, begin_step: int) -> None:
-        if begin_step < 1:
-            raise ValueError(f"begin_step must be >= 1, got {begin_step}")
         self.begin_step = begin_step
         self.syncs = 0  # parameter averagings so far
         self._steps_seen = 0
@@ -120,10 +120,8 @@ class ModelAveraging(LocalSGDCallback):
     """Average the parameters over all processes every `k_steps` optimizer steps after
     `begin_step` (torch `PeriodicModelAverager`); pair with `build_hook(begin_step)`."""
 
-    def __init__(self, k_steps: int = 1, begin_step: int = 1) -> None:
+    def __init__(self, *, k_steps: int, begin_step: int) -> None:
         super().__init__(begin_step)
-        if k_steps < 1:
-            raise ValueError(f"k_steps must be >= 1, got {k_steps}")
         self.k_steps = k_steps
         self.averager: Optional[PeriodicModelAverager] = None
 

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from plugins import pipeline_checkpoint
+from plugins.ddp import process_group_timeout
 from plugins.pipeline_split import in_eval_mode, keep_only_stages, stage_ranks, stage_split_points, traced_stages
 from plugins.sharding import layout_mesh, shard_strategy_optimizers
 from plugins.transforms import ModelContext
@@ -38,9 +39,10 @@ SINGLE_STAGE = ("1F1B", "GPipe")  # schedules placing one stage per rank; the ot
 
 
 def build_pipeline(schedule_mode: str, micro_batch_size: int, accumulate_steps: int, vpp_degree: int,
-                   layout: Dict[str, int], shard_optimizer_states: bool = False) -> "PipelineStrategy":
+                   layout: Dict[str, int], shard_optimizer_states: bool,
+                   timeout_s: Optional[float] = None) -> "PipelineStrategy":
     return PipelineStrategy(schedule_mode, micro_batch_size, accumulate_steps, vpp_degree, Layout(**layout),
-                            shard_optimizer_states)
+                            shard_optimizer_states, **process_group_timeout(timeout_s))
 
 
 def split_stages(module: nn.Module, context: ModelContext, split_points: list[str]) -> list[str]:
@@ -69,8 +71,8 @@ class PipelineStrategy(ModelParallelStrategy):
     """
 
     def __init__(self, schedule_mode: str, micro_batch_size: int, accumulate_steps: int, vpp_degree: int,
-                 layout: Layout, shard_optimizer_states: bool = False) -> None:
-        super().__init__(data_parallel_size=layout.dp_shard)
+                 layout: Layout, shard_optimizer_states: bool, **kwargs: Any) -> None:
+        super().__init__(data_parallel_size=layout.dp_shard, **kwargs)
         self.schedule_mode = schedule_mode
         self.micro_batch_size = micro_batch_size
         self.accumulate_steps = accumulate_steps

@@ -24,7 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugins.ddp import FleetDDPStrategy
+from plugins.ddp import FleetDDPStrategy, process_group_timeout
 from plugins.layerwise import NO_WEIGHT_DECAY
 from plugins.transforms import ModelContext
 from runner.core.world import Layout
@@ -95,8 +95,8 @@ class ZeroStage1Strategy(FleetDDPStrategy):
     `load_state_dict` hands each rank its share back.
     """
 
-    def __init__(self, layout: Layout) -> None:
-        super().__init__(gradient_as_bucket_view=True)
+    def __init__(self, layout: Layout, **kwargs: Any) -> None:
+        super().__init__(gradient_as_bucket_view=True, **kwargs)
         self.layout = layout
         self.device_mesh: Optional[DeviceMesh] = None
 
@@ -111,8 +111,8 @@ class ZeroStage1Strategy(FleetDDPStrategy):
         shard_strategy_optimizers(self, self.device_mesh["dp_shard"].get_group())
 
 
-def build_zero_stage1(layout: Dict[str, int]) -> ZeroStage1Strategy:
-    return ZeroStage1Strategy(Layout(**layout))
+def build_zero_stage1(layout: Dict[str, int], timeout_s: Optional[float] = None) -> ZeroStage1Strategy:
+    return ZeroStage1Strategy(Layout(**layout), **process_group_timeout(timeout_s))
 
 
 # --------------------------------------------------------------------------- stages 2 and 3
@@ -194,8 +194,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     """ModelParallelStrategy on the layout's mesh, for ZeRO stages 2 and 3: the model's
     configure_model shards it (`shard_parameters`, after tensor parallelism and recompute)."""
 
-    def __init__(self, layout: Layout) -> None:
-        super().__init__(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tp)
+    def __init__(self, layout: Layout, **kwargs: Any) -> None:
+        super().__init__(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tp, **kwargs)
         self.layout = layout
 
     @override
@@ -227,8 +227,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.lightning_module.set_requires_gradient_sync(True)
 
 
-def build_fsdp(layout: Dict[str, int]) -> FSDP2Strategy:
-    return FSDP2Strategy(Layout(**layout))
+def build_fsdp(layout: Dict[str, int], timeout_s: Optional[float] = None) -> FSDP2Strategy:
+    return FSDP2Strategy(Layout(**layout), **process_group_timeout(timeout_s))
 
 
 # --------------------------------------------------------------------------- export

@@ -17,7 +17,7 @@ from typing import Any, Iterator, List, Tuple
 import pytest
 
 from runner import strategies
-from runner.config import schema
+from runner.config import collective, schema
 from runner.command.cli import main
 
 GROUPS = {"model": "mlp", "data": "classification", "trainer": "cpu", "logger": "csv", "callbacks": "default",
@@ -44,10 +44,10 @@ def knob_nodes() -> Iterator[Tuple[str, type, List[str]]]:
     for name, cls in strategies.schemas().items():
         yield f"strategy.{name}", cls, [f"strategy=[{name}]"]
     yield from [("trainer", schema.TrainerConfig, []), ("measure", schema.MeasureConfig, []),
-                ("collective", schema.CollectiveConfig, []),
-                ("collective.build_strategy", schema.BuildStrategyConfig, []),
-                ("collective.execution_strategy", schema.ExecutionStrategyConfig, []),
-                ("parameter_server", schema.ParameterServerConfig, [])]
+                ("collective", collective.CollectiveConfig, []),
+                ("collective.build_strategy", collective.BuildStrategyConfig, []),
+                ("collective.execution_strategy", collective.ExecutionStrategyConfig, []),
+                ("parameter_server", collective.ParameterServerConfig, [])]
 
 
 def wrong_values(hint: Any) -> List[str]:
@@ -68,7 +68,7 @@ def generated() -> Iterator[Tuple[str, List[str]]]:
     for prefix, cls, selection in knob_nodes():
         hints = typing.get_type_hints(cls)
         for field in fields(cls):
-            if field.name not in hints or field.name.startswith("_") or cls is schema.CollectiveConfig and \
+            if field.name not in hints or field.name.startswith("_") or cls is collective.CollectiveConfig and \
                     field.name in ("build_strategy", "execution_strategy"):
                 continue
             key = f"{prefix}.{field.name}"

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.command import preflight
 from runner.config.checks import plan_for
 from runner.core.errors import ConfigError, Refusal
 from runner.core.plan import format_plan
@@ -58,8 +59,9 @@ def test_bad_parameter_server_knobs_are_one_line(spec_for, overrides, message):
 
 
 def test_geo_is_checked_against_the_table_as_localsgd(spec_for):
+    spec = spec_for("parameter_server.mode=geo", "parameter_server.k_steps=2", "strategy=[dgc]", TWO)
     with pytest.raises(Refusal, match="dgc\\+localsgd is not an allowed combination"):
-        plan_for(spec_for("parameter_server.mode=geo", "parameter_server.k_steps=2", "strategy=[dgc]", TWO))
+        preflight.table(preflight.Flight(spec.cfg, spec))
 
 
 @pytest.mark.parametrize("mode", ["async", "half_async"])

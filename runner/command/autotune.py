@@ -28,7 +28,9 @@ from runner.config.checks import RunSpec, plan_for, validate
 from runner.core.contribution import Facts
 from runner.core.errors import ConfigError, Refusal
 from runner.core.plan import Plan
-from runner.records.run_dir import create_run_dir, write_yaml
+from runner.records.files import (AUTO_DIR, CANDIDATES_CSV, CHOICE_YAML, FAILED, FINISHED, OUT_OF_MEMORY, REFUSED,
+                                  SWEEP_YAML, TRIAL_LOG, TRIALS_DIR, failure_outcome, job_ending)
+from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.strategies import schemas
 from runner.strategies.auto import AutoConfig, Candidate, candidates, considered, rules, trial_order
 from runner.core.world import World
@@ -36,6 +38,7 @@ from runner.core.world import World
 # What a trial leaves out: it only measures speed and memory.
 TRIAL_TRAINER = {"limit_val_batches": 0, "enable_checkpointing": False, "enable_progress_bar": False,
                  "num_sanity_val_steps": 0}
+MEASURED = ("samples_per_s", "step_time_median_s", "peak_memory_mb")  # of a trial's results, into candidates.csv
 
 
 def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tuple[RunSpec, Plan]]:
@@ -46,7 +49,7 @@ def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tup
     listed = candidates(facts, auto, rows)
     for c in listed:
         refuse_unplannable(spec, c)
-    auto_dir = records / "auto"
+    auto_dir = records / AUTO_DIR
     if auto.mode == "rules":
         winner, why = rules(facts, auto, rows)
     else:
@@ -55,7 +58,7 @@ def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tup
     write_records(auto_dir, chosen, auto, facts, listed, winner, why)
     print("\n".join([f"auto ({auto.mode}): chose {winner.label}{'; ' + winner.reason if winner.reason else ''}",
                      *(f"auto: {name}: {reason}" for name, reason in sorted(why.items())),
-                     f"auto: candidates in {auto_dir / 'candidates.csv'}; the choice again: "
+                     f"auto: candidates in {auto_dir / CANDIDATES_CSV}; the choice again: "
                      f"lightfleet --config-dir {auto_dir} experiment=best"]), flush=True)
     if auto.search_only:
         return None
@@ -85,7 +88,7 @@ def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: P
             c.status, c.reason = "not tried", "budget spent"
             continue
         tried += 1
-        run_trial(spec, c, auto, auto_dir / "trials" / str(number), command)
+        run_trial(spec, c, auto, auto_dir / TRIALS_DIR / str(number), command)
         figures = f"{c.measured['samples_per_s']:,.1f} samples/s" if c.status == "ok" else f"{c.status}: {c.reason}"
         print(f"auto: trial {tried}/{total} {c.label}: {figures}", flush=True)
     finished = sorted((c for c in listed if c.status == "ok"), key=lambda c: -c.measured["samples_per_s"])
@@ -105,8 +108,8 @@ def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: P
 
 
 def refuse_unplannable(spec: RunSpec, c: Candidate) -> None:
-    """Mark `c` refused when the table, the knobs' checks or the plan's rules refuse it here (e.g.
-    pipeline with sharding needs replicas of a pipeline: 4 processes or more)."""
+    """Mark `c` refused when the knobs' checks or the plan's rules refuse it here (candidates come
+    from the table's rows; e.g. pipeline with sharding needs replicas of a pipeline: 4 processes or more)."""
     if c.status == "candidate":
         try:
             plan_for(with_strategies(spec, c.strategies))
@@ -115,21 +118,23 @@ def refuse_unplannable(spec: RunSpec, c: Candidate) -> None:
 
 
 def run_trial(spec: RunSpec, c: Candidate, auto: AutoConfig, trial_dir: Path, command: Sequence[str]) -> None:
-    """A short real run of candidate `c` in its own processes; its status and figures go into `c`."""
+    """A short real run of candidate `c` in its own processes; its status and figures go into `c`,
+    and a trial that did not finish records how it ended (failure.yaml), as a run does."""
     trial = with_strategies(spec, c.strategies, trial_dir=trial_dir, steps=auto.trial_steps)
     create_run_dir(trial.cfg, plan_for(trial), command, trial_dir)
-    log = trial_dir / "trial.log"
+    log = trial_dir / TRIAL_LOG
     with log.open("w") as output:
         done = subprocess.run([sys.executable, "-m", "runner.command.launch", str(trial_dir)], stdout=output,
                               stderr=subprocess.STDOUT)
-    if (trial_dir / "results.yaml").is_file():
-        results = yaml.safe_load((trial_dir / "results.yaml").read_text())
+    ending = job_ending(trial_dir)
+    if ending.outcome == FINISHED:
         c.status = "ok"
-        c.measured = {key: results.get(key) for key in ("samples_per_s", "step_time_median_s", "peak_memory_mb")}
+        c.measured = {key: ending.record.get(key) for key in MEASURED}
         return
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     c.reason = lines[-1].strip() if lines else f"exit status {done.returncode}"
-    c.status = "out_of_memory" if "out of memory" in c.reason.lower() else "failed"
+    record_failure(trial_dir, done.returncode, c.reason)
+    c.status = failure_outcome(c.reason)
 
 
 def with_strategies(spec: RunSpec, strategies: Dict[str, Dict[str, Any]], trial_dir: Optional[Path] = None,
@@ -152,20 +157,21 @@ def with_strategies(spec: RunSpec, strategies: Dict[str, Dict[str, Any]], trial_
 def write_records(auto_dir: Path, chosen: RunSpec, auto: AutoConfig, facts: Facts, listed: List[Candidate],
                   winner: Candidate, why: Dict[str, str]) -> None:
     auto_dir.mkdir(parents=True, exist_ok=True)
-    with (auto_dir / "candidates.csv").open("w", newline="") as out:
+    with (auto_dir / CANDIDATES_CSV).open("w", newline="") as out:
         table = csv.writer(out)
         table.writerow(["candidate", "strategies", "status", "reason", "estimated_memory_gib", "estimated_speed",
-                        "samples_per_s", "step_time_median_s", "peak_memory_mb"])
+                        *MEASURED])
         for number, c in enumerate(listed):
             table.writerow([number, c.label, c.status, c.reason, round(c.memory.total / 2**30, 4), round(c.speed, 3),
-                            *(c.measured.get(key, "") for key in ("samples_per_s", "step_time_median_s", "peak_memory_mb"))])
-    write_yaml(auto_dir / "choice.yaml", {"mode": auto.mode, "chosen": winner.label, "strategies": winner.strategies,
-                                          "reason": winner.reason, "why": why, "facts": asdict(facts),
-                                          "knobs": asdict(auto)})
-    tried = {f"trials/{n}": c for n, c in enumerate(listed) if c.status in ("ok", "failed", "out_of_memory", "refused")}
-    write_yaml(auto_dir / "sweep.yaml", {"jobs": {name: {"overrides": [f"strategy={c.label}"], "reason": c.reason,
-                                                         "status": {"ok": "finished"}.get(c.status, c.status)}
-                                                  for name, c in tried.items()}})
+                            *(c.measured.get(key, "") for key in MEASURED)])
+    write_yaml(auto_dir / CHOICE_YAML, {"mode": auto.mode, "chosen": winner.label, "strategies": winner.strategies,
+                                        "reason": winner.reason, "why": why, "facts": asdict(facts),
+                                        "knobs": asdict(auto)})
+    # A candidate's "ok" is a trial that finished (runner/strategies/auto.py names its statuses).
+    tried = {f"{TRIALS_DIR}/{n}": c for n, c in enumerate(listed) if c.status in ("ok", FAILED, OUT_OF_MEMORY, REFUSED)}
+    write_yaml(auto_dir / SWEEP_YAML, {"jobs": {name: {"overrides": [f"strategy={c.label}"], "reason": c.reason,
+                                                       "status": FINISHED if c.status == "ok" else c.status}
+                                                for name, c in tried.items()}})
     write_experiment(auto_dir, chosen, winner)
 
 
@@ -184,5 +190,5 @@ def write_experiment(auto_dir: Path, chosen: RunSpec, winner: Candidate) -> None
                               sort_keys=False)
     (auto_dir / "experiment").mkdir(exist_ok=True)
     (auto_dir / "experiment" / "best.yaml").write_text(
-        f"# @package _global_\n# strategy=[auto] chose {winner.label} ({auto_dir / 'choice.yaml'} says why).\n"
+        f"# @package _global_\n# strategy=[auto] chose {winner.label} ({auto_dir / CHOICE_YAML} says why).\n"
         f"# Run: lightfleet --config-dir {auto_dir} experiment=best\n{defaults}{body}")

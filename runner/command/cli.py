@@ -15,15 +15,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-from runner.config.compat import check, load_table, strategies_from_argv
+from runner.command import preflight
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
 from runner.core.clock import mark_start
 
-if TYPE_CHECKING:  # Hydra, OmegaConf and the config layer are imported only once the table allows the run
+if TYPE_CHECKING:  # Hydra and OmegaConf are imported only once the table allows the run
     from omegaconf import DictConfig
-
-    from runner.config.checks import RunSpec
-    from runner.core.plan import Plan
 
 # `lightfleet COMMAND RUN_DIR [overrides]`: again from the config a run saved, into a new directory.
 RUN_DIR_COMMANDS = ("replay", "resume", "eval")
@@ -46,16 +43,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return report.main(args[1:])
     if args and args[0] in ("import-fleet", "export-fleet"):
-        from runner.fleet import prototxt as fleet
+        from runner.fleet import cli as fleet
 
         return fleet.main(args)
     with exit_on_user_error():
         if args and args[0] in RUN_DIR_COMMANDS:
             args = from_run_dir(args[0], args[1:])
         if not {"-m", "--multirun", *SHOW_FLAGS} & set(args):
-            selected = strategies_from_argv(args)
-            if selected is not None:  # the command line's list wins over any experiment's: decide now
-                check(selected, load_table())
+            preflight.command_line(args)
         return run_app(args)
 
 
@@ -63,21 +58,23 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
     """The Hydra arguments of `replay RUN_DIR` (train again from RUN_DIR's config.yaml), `resume
     RUN_DIR` (the same, from its checkpoints/last.ckpt) and `eval [RUN_DIR]` (evaluate=true, with
     RUN_DIR's config and last checkpoint when one is given); overrides follow as usual."""
-    if command == "eval" and not (args and (Path(args[0]) / "config.yaml").is_file()):
+    from runner.records.files import CONFIG_YAML, LAST_CHECKPOINT, holds_run
+
+    if command == "eval" and not (args and holds_run(Path(args[0]))):
         return [*args, "evaluate=true"]
-    if not args or not (Path(args[0]) / "config.yaml").is_file():
+    if not args or not holds_run(Path(args[0])):
         raise ConfigError(f"lightfleet {command}", args[0] if args else None,
-                          "needs a run directory (one holding config.yaml) first: lightfleet "
+                          f"needs a run directory (one holding {CONFIG_YAML}) first: lightfleet "
                           f"{command} RUN_DIR [KEY=VALUE ...]")
     from runner.config.compose import SAVED_RUN, store_saved_run
 
     run_dir = Path(args[0]).resolve()
-    store_saved_run(run_dir)
+    store_saved_run(run_dir / CONFIG_YAML)
     start = []
     if command in ("resume", "eval"):
-        last = run_dir / "checkpoints" / "last.ckpt"
+        last = run_dir / LAST_CHECKPOINT
         if not last.exists():
-            raise ConfigError(f"lightfleet {command}", str(run_dir), "has no checkpoints/last.ckpt to start from")
+            raise ConfigError(f"lightfleet {command}", str(run_dir), f"has no {LAST_CHECKPOINT} to start from")
         start = [hydra_override("ckpt_path", last)] + (["evaluate=true"] if command == "eval" else [])
     return ["-cn", SAVED_RUN, *start, *args[1:]]
 
@@ -85,11 +82,14 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
 def run_app(args: List[str]) -> int:
     from hydra._internal.utils import _run_hydra, get_args_parser
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
+    from omegaconf import OmegaConf
 
-    from runner.config.compat import CONF_DIR
-    from runner.config.compose import CONFIG_NAME, compose_config
     from runner.command.job import run_job
+    from runner.config.compat import CONF_DIR
+    from runner.config.compose import CONFIG_NAME
+
+    # --help lists the preflight's stages (conf/hydra/default.yaml's footer).
+    OmegaConf.register_new_resolver("lightfleet_preflight", lambda: "; ".join(preflight.stage_names()), replace=True)
 
     parser = get_args_parser()
     parser.prog = "lightfleet"
@@ -107,7 +107,7 @@ def run_app(args: List[str]) -> int:
         parsed.overrides += pointers
         sweep_dir = directory if parsed.multirun else None
     elif not (parsed.hydra_help or parsed.shell_completion):
-        compose_config(parsed.overrides, parsed.config_dir, config_name, RunMode.RUN)  # errors in one line
+        preflight.compose(parsed.overrides, parsed.config_dir, config_name)  # errors in one line
     GlobalHydra.instance().clear()
     try:
         _run_hydra(args=parsed, args_parser=parser, task_function=run_job, config_path=str(CONF_DIR),
@@ -142,69 +142,61 @@ Reserved = Optional[Tuple[Path, List[str]]]  # a directory, and the overrides th
 
 
 def check_run(overrides: List[str], config_dir: Optional[str], config_name: str) -> Reserved:
-    """Compose and check the run; print the plan of a dry run (None), or reserve its directory."""
-    from runner.config.compose import compose_config
+    """The preflight of a run; print the plan of a dry run (None), or reserve its directory."""
     from runner.core.plan import format_plan
-    from runner.records.run_dir import records_subdir, reserve_dir
-    from runner.core.world import World
 
-    cfg = compose_config(overrides, config_dir, config_name, with_hydra=True)
-    spec, plan = composed_job(cfg)
-    if spec.cfg.dry_run:
-        print(format_plan(plan))
+    cfg = preflight.compose(overrides, config_dir, config_name)
+    flight = checked(cfg, overrides)
+    if flight.spec.cfg.dry_run:
+        print(format_plan(flight.plan))
         return None
-    subdir = records_subdir(World(**plan.world))
-    run_dir = reserve_dir(cfg, "hydra.run.dir", "paths.output_dir", subdir)
+    run_dir, subdir = preflight.run_directory(cfg, flight.plan)
     return run_dir, [hydra_override("hydra.run.dir", run_dir / subdir)]
 
 
 def check_sweep(overrides: List[str], config_dir: Optional[str], config_name: str) -> Reserved:
-    """Check every job of a basic sweep first. A job Hydra cannot compose (an unknown option)
-    refuses the sweep: Hydra's launcher would stop at it mid-sweep. Jobs the table or the schema
-    refuse are reported together and skipped (Hydra still launches them; each stops at once); a
-    sweep none of whose jobs can run is refused. Other sweepers (Optuna) choose their jobs as they
-    go: the config without the swept keys is checked, and each job checks itself.
+    """The preflight of every job of a basic sweep. A job Hydra cannot compose (an unknown option)
+    refuses the sweep: Hydra's launcher would stop at it mid-sweep. Jobs the other stages refuse
+    are reported together and skipped (Hydra still launches them; each stops at once); a sweep
+    none of whose jobs can run is refused. Other sweepers (Optuna) choose their jobs as they go:
+    the config without the swept keys is checked, and each job checks itself.
     Reserves the sweep directory (None: a dry run, whose plans are printed)."""
-    from hydra.types import RunMode
-
-    from runner.config.compose import compose_config, expand_sweep
+    from runner.config.compose import expand_sweep
     from runner.core.plan import format_plan
-    from runner.records.run_dir import reserve_dir
 
-    cfg = compose_config(overrides, config_dir, config_name, RunMode.MULTIRUN, with_hydra=True)
+    cfg = preflight.compose(overrides, config_dir, config_name, multirun=True)
     if cfg.hydra.sweeper._target_ != "hydra._internal.core_plugins.basic_sweeper.BasicSweeper":
-        plans = [(0, overrides, *composed_job(cfg))]
+        flights = [(0, overrides, checked(cfg))]
     else:
-        plans = []
+        flights = []
         for number, job in enumerate(expand_sweep(overrides, config_dir)):
-            shown = " ".join(o for o in job if not o.lstrip("+~").startswith("hydra"))  # as the job prints them
-            cfg_of_job = compose_config(job, config_dir, config_name, with_hydra=True)  # Hydra would stop here
+            shown = " ".join(preflight.job_overrides(job))  # as the job prints them
+            cfg_of_job = preflight.compose(job, config_dir, config_name)  # Hydra would stop here
             try:
-                plans.append((number, job, *composed_job(cfg_of_job)))
+                flights.append((number, job, checked(cfg_of_job, job)))
             except (ConfigError, Refusal) as problem:
                 print(f"lightfleet: job {number} ({shown}) skipped: {problem}", file=sys.stderr)
-        if not plans:
+        if not flights:
             raise Refusal("no job of the sweep can run")
-    if plans[0][2].cfg.dry_run:
-        for number, job, _, plan in plans:
-            print(f"--- job {number}: {' '.join(job)}\n{format_plan(plan)}")
+    if flights[0][2].spec.cfg.dry_run:
+        for number, job, flight in flights:
+            print(f"--- job {number}: {' '.join(job)}\n{format_plan(flight.plan)}")
         return None
-    sweep_dir = reserve_dir(cfg, "hydra.sweep.dir", "paths.sweep_dir")
+    sweep_dir = preflight.sweep_directory(cfg)
     return sweep_dir, [hydra_override("hydra.sweep.dir", sweep_dir)]
 
 
-def composed_job(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
-    """The checked spec and plan of the job of `cfg`, a config as Hydra composes it (with its `hydra` node)."""
+def checked(cfg: DictConfig, overrides: Optional[List[str]] = None) -> preflight.Flight:
+    """The job stages of the preflight on `cfg`, a config as Hydra composes it (with its `hydra`
+    node), kept for the job of `overrides` when given."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
-
-    from runner.command.job import prepare
 
     HydraConfig.instance().set_config(cfg)  # `${hydra:...}` resolves as it will in the job
     job_cfg = cfg.copy()
     with open_dict(job_cfg):
         del job_cfg["hydra"]
-    return prepare(job_cfg)
+    return preflight.check_job(job_cfg, overrides)
 
 
 def hydra_override(key: str, path: Path) -> str:
@@ -213,31 +205,28 @@ def hydra_override(key: str, path: Path) -> str:
 
 
 def summarize_sweep(sweep_dir: Path) -> int:
-    """Write sweep.yaml (each job's overrides and status: finished, failed or refused, with the
-    reason) and the sweep's report (printed too); return its exit status: 1 when a job that started
-    did not finish."""
-    import yaml
-
+    """Write sweep.yaml (each job's overrides and how it ended, with the reason) and the sweep's
+    report (printed too); return its exit status: 1 when a job that started did not finish."""
     from runner.records import report
+    from runner.records.files import (CONFIG_YAML, FINISHED, HYDRA_OVERRIDES, REFUSED, REFUSED_YAML, SWEEP_YAML,
+                                      job_ending, read_yaml)
+    from runner.records.jobs import job_order
     from runner.records.run_dir import write_yaml
 
     jobs = {}
-    found = {path.parent for path in sweep_dir.rglob("*.yaml") if path.name in ("config.yaml", "refused.yaml")}
-    for job in sorted(found, key=lambda job: report.job_order(job.relative_to(sweep_dir).as_posix())):
+    found = {path.parent for path in sweep_dir.rglob("*.yaml") if path.name in (CONFIG_YAML, REFUSED_YAML)}
+    for job in sorted(found, key=lambda job: job_order(job.relative_to(sweep_dir).as_posix())):
         name = job.relative_to(sweep_dir).as_posix()
-        if (job / "refused.yaml").is_file():
-            jobs[name] = {**yaml.safe_load((job / "refused.yaml").read_text()), "status": "refused"}
-        elif (job / ".hydra" / "overrides.yaml").is_file():
-            if (job / "results.yaml").is_file():
-                ended = {"status": "finished"}
-            elif (job / "failure.yaml").is_file():
-                ended = yaml.safe_load((job / "failure.yaml").read_text())  # status, exit_code, error
-            else:
-                ended = {"status": "failed"}
-            jobs[name] = {"overrides": yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()), **ended}
-    write_yaml(sweep_dir / "sweep.yaml", {"jobs": jobs})
+        ending = job_ending(job)
+        if ending.outcome == REFUSED:
+            jobs[name] = {**ending.record, "status": REFUSED}
+        elif (job / HYDRA_OVERRIDES).is_file():
+            # failure.yaml says how a job that did not finish ended (status, exit_code, error)
+            told = ending.record if ending.outcome != FINISHED and ending.record else {"status": ending.outcome}
+            jobs[name] = {"overrides": read_yaml(job / HYDRA_OVERRIDES), **told}
+    write_yaml(sweep_dir / SWEEP_YAML, {"jobs": jobs})
     report.main([str(sweep_dir)])
-    return 1 if any(job["status"] not in ("finished", "refused") for job in jobs.values()) else 0
+    return 1 if any(job["status"] not in (FINISHED, REFUSED) for job in jobs.values()) else 0
 
 
 if __name__ == "__main__":

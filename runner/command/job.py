@@ -1,7 +1,8 @@
 """One job of the `lightfleet` command: Hydra's task function.
 
-Hydra has made the job's directory (`hydra.runtime.output_dir`) and its log file. The job checks
-its config (again, cheaply: a sweeper such as Optuna makes jobs the command never saw), records
+Hydra has made the job's directory (`hydra.runtime.output_dir`) and its log file. The job takes
+the command's preflight of it (runner/command/preflight.py; a job the command never saw, one a
+sweeper such as Optuna chose, runs the preflight's job stages itself), records
 config, plan and environment there and launches its processes (runner/command/launch.py). It returns
 the run's `optimized_metric` for sweepers that optimise one, and NaN for a job that could not run
 (Optuna marks that trial failed and goes on).
@@ -16,56 +17,27 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.config.arguments import check_arguments, check_builds
-from runner.config.checks import RunSpec, plan_for, resolved, validate
-from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
+from runner.command.preflight import checked_job
+from runner.config.checks import RunSpec
+from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error
 from runner.core.plan import Plan, format_plan
 from runner.core.clock import mark_start
-from runner.records.run_dir import create_run_dir, find_checkpoint, record_failure, records_subdir, write_yaml
-from runner.core.world import World, check_multi_node
+from runner.records import files
+from runner.records.run_dir import create_run_dir, record_failure, records_subdir, write_yaml
+from runner.core.world import World
 
 log = logging.getLogger(__name__)
 
 
-def prepare(cfg: DictConfig) -> Tuple[RunSpec, Plan]:
-    """Validate, plan (runner.config.checks.plan_for, after the table's check), and check the world
-    against the machine; every rank reads the plan the job saves."""
-    from runner.command.launch import check_devices
-
-    spec = validate(cfg)
-    plan = plan_for(spec)
-    check_multi_node(World(**plan.world))
-    check_devices(spec.trainer, World(**plan.world))
-    model = check_targets(resolved(spec.cfg))
-    if model is not None:
-        from runner.rank.build import check_plan_on_model
-
-        check_plan_on_model(model, plan)
-    run = spec.cfg
-    require(run.ckpt_path is not None or not run.evaluate, "evaluate", True, "needs ckpt_path=PATH|last: the weights to evaluate")
-    require(not run.test or "pipeline" not in spec.strategies, "test", True,
-            "the pipeline strategy runs fit and validation only")
-    if run.ckpt_path is not None:  # where the command ran, also after hydra.job.chdir
-        run.ckpt_path = find_checkpoint(run.ckpt_path, run.paths.root_dir, Path(HydraConfig.get().runtime.cwd))
-    return spec, plan
-
-
-def check_targets(run: Dict[str, Any]) -> Any:
-    """The arguments of every `_target_` node against its constructor, then the model and data
-    built once (runner.config.arguments): all before any directory or process. Returns the model built
-    on the meta device (None if it could not be)."""
-    check_arguments("model", run["model"])
-    check_arguments("data", run["data"])
-    for group in ("callbacks", "logger"):
-        for name, node in (run.get(group) or {}).items():
-            if node:
-                check_arguments(f"{group}.{name}", node)
-    return check_builds(run["model"], run["data"])
+def prepare(cfg: DictConfig, command: Sequence[str]) -> Tuple[RunSpec, Plan]:
+    """The job's checked config and plan: from the command's preflight when it checked this job,
+    else from running the job stages now (a job an optimising sweeper chose)."""
+    flight = checked_job(cfg, command)
+    return flight.spec, flight.plan
 
 
 def run_job(cfg: DictConfig) -> Optional[float]:
@@ -74,7 +46,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     command = list(hydra.overrides.task)
     if hydra.mode != RunMode.MULTIRUN:
         with exit_on_user_error():
-            spec, plan = prepare(cfg)
+            spec, plan = prepare(cfg, command)
             # paths.output_dir records the directory Hydra runs in (it may have been named by
             # hydra.run.dir); a second node or rank keeps its records in a subdirectory of it.
             depth = len(Path(records_subdir(World(**plan.world))).parts)
@@ -93,12 +65,12 @@ def run_job(cfg: DictConfig) -> Optional[float]:
                 sys.exit(code)
             return objective(spec, records)
     try:
-        spec, plan = prepare(cfg)
+        spec, plan = prepare(cfg, command)
     except (ConfigError, Refusal) as problem:
         print(f"lightfleet: job {hydra.job.num} ({' '.join(command)}) skipped: {problem}", file=sys.stderr)
         shutil.rmtree(records)  # only Hydra's files: the job never started; it leaves its reason
         records.mkdir()
-        write_yaml(records / "refused.yaml", {"overrides": command, "reason": str(problem)})
+        write_yaml(records / files.REFUSED_YAML, {"overrides": command, "reason": str(problem)})
         return math.nan
     spec.cfg.paths.output_dir, spec.cfg.paths.sweep_dir = str(records), hydra.sweep.dir
     spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
@@ -146,14 +118,14 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         signum, step = (stop.signum, stop.step) if isinstance(stop, Preempted) else (stop.sigval, None)
         print(resume_line(run_dir, signum, step), file=sys.stderr, flush=True)
         record_failure(records, PREEMPTED, resume_line(run_dir, signum, step).removeprefix("lightfleet: "),
-                       status="preempted")
+                       status=files.PREEMPTED)
         return PREEMPTED
     except ChildFailedError as failure:
         codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
         first_rank, first = failure.get_first_failure()
-        reason = last_error_line(records / "logs", first.local_rank)
+        reason = last_error_line(records / files.LOGS_DIR, first.local_rank)
         print(f"lightfleet: run failed: rank {first_rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
-              f"rank {codes}; logs in {records / 'logs'})", file=sys.stderr)
+              f"rank {codes}; logs in {records / files.LOGS_DIR})", file=sys.stderr)
         # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
         code = 2 if 2 in codes.values() else 1
         record_failure(records, code, reason)
@@ -161,9 +133,9 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     except Exception as error:  # in this process: recorded, then handled as any error
         record_failure(records, 2 if isinstance(error, ConfigError) else 1, error_line(error))
         raise
-    if (run_dir / "results.yaml").is_file():  # rank 0's; a second node's copy of the command has none
-        results = yaml.safe_load((run_dir / "results.yaml").read_text())
-        print(f"lightfleet: done: {summary_line(results, time.monotonic() - started)}; run directory {run_dir}",
+    ending = files.job_ending(run_dir)
+    if ending.outcome == files.FINISHED:  # rank 0's results; a second node's copy of the command has none
+        print(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started)}; run directory {run_dir}",
               flush=True)
     return 0
 
@@ -204,7 +176,7 @@ def objective(spec: RunSpec, records: Path) -> Optional[float]:
     metric = spec.cfg.optimized_metric
     if metric is None:
         return None
-    results = yaml.safe_load((Path(spec.cfg.paths.output_dir) / "results.yaml").read_text())
+    results = files.read_yaml(Path(spec.cfg.paths.output_dir) / files.RESULTS_YAML)
     if metric not in results:
         raise ConfigError("optimized_metric", metric, f"the run logged no such metric; it logged: "
                           f"{', '.join(sorted(results))}", results)

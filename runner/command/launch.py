@@ -18,6 +18,7 @@ from pathlib import Path
 
 from runner.core.errors import ConfigError, exit_on_user_error
 from runner.config.schema import TrainerConfig
+from runner.records.files import LOGS_DIR
 from runner.records.run_dir import read_plan
 from runner.core.world import World, launched_externally
 
@@ -85,7 +86,7 @@ def run(records: Path, world: World) -> None:
         min_nodes=world.num_nodes, max_nodes=world.num_nodes, nproc_per_node=nproc,
         max_restarts=0, monitor_interval=0.1, log_line_prefix_template="[rank${rank}]:",
         # Every rank's stdout/stderr lands in the run directory; the console shows rank 0 only.
-        logs_specs=DefaultLogsSpecs(log_dir=str(records / "logs"), redirects=Std.ALL, tee=Std.ALL,
+        logs_specs=DefaultLogsSpecs(log_dir=str(records / LOGS_DIR), redirects=Std.ALL, tee=Std.ALL,
                                     local_ranks_filter={0}),
         **rendezvous,
     )

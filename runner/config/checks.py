@@ -13,8 +13,8 @@ from hydra.errors import HydraException
 
 from runner import strategies
 from runner.config import schema
-from runner.config.compat import check, load_table
 from runner.config.compose import explain
+from runner.core.contribution import Component, Contribution
 from runner.core.errors import ConfigError, first_line, require
 from runner.core.plan import Plan, make_plan
 from runner.core.world import World
@@ -36,24 +36,52 @@ class RunSpec:
 
 
 def validate(cfg: DictConfig) -> RunSpec:
-    """Merge the composed config onto the schema; build each selected strategy's dataclass (its
-    __post_init__ checks ranges)."""
+    """The schema, then the cross-field rules: the preflight's two stages (runner/command/preflight.py)
+    for callers that need both at once (auto's trials, tests)."""
+    spec = check_schema(cfg)
+    apply_cross_field_rules(spec)
+    return spec
+
+
+def check_schema(cfg: DictConfig) -> RunSpec:
+    """Merge the composed config onto the schema: types, and the ranges each node's dataclass and
+    each selected strategy's dataclass check as they are built (__post_init__); every number finite."""
     try:
         # Through a plain container: merged as it comes from Hydra (typed RunConfig already), a key
         # added with `+key=` would pass the schema unseen.
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
         merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), plain)
-        # The nodes' dataclasses check their ranges as they are built, before anything is created.
         knobs = {node: OmegaConf.to_object(merged[node]) for node in ("measure", "collective", "parameter_server")}
-        as_localsgd(knobs["parameter_server"], merged)
-        as_hybrid_sharding(knobs["collective"], merged)
-        strategies = {name: OmegaConf.to_object(node) for name, node in merged.strategy.items() if node is not None}
+        strategies = selected_strategies(merged)
         trainer = OmegaConf.to_object(merged.trainer)
         for key, node in [*knobs.items(), ("trainer", trainer), *((f"strategy.{n}", k) for n, k in strategies.items())]:
             require_finite(key, node)
     except OmegaConfBaseException as error:
         raise explain(error) from None
     return RunSpec(merged, strategies, trainer)
+
+
+def selected_strategies(merged: DictConfig) -> Dict[str, Any]:
+    """Each selected strategy's knobs dataclass (built: its ranges checked), in selection order."""
+    return {name: OmegaConf.to_object(node) for name, node in merged.strategy.items() if node is not None}
+
+
+def apply_cross_field_rules(spec: RunSpec) -> None:
+    """The rules between keys of different nodes. Two rewrite the config, so that the config the
+    run saves says what ran: parameter_server.mode=geo selects localsgd, and the two-level
+    allreduce sets hybrid sharding's degrees. The others refuse: evaluate without a checkpoint,
+    test with the pipeline."""
+    cfg = spec.cfg
+    try:
+        as_localsgd(OmegaConf.to_object(cfg.parameter_server), cfg)
+        as_hybrid_sharding(OmegaConf.to_object(cfg.collective), cfg)
+        spec.strategies = selected_strategies(cfg)
+    except OmegaConfBaseException as error:
+        raise explain(error) from None
+    require(cfg.ckpt_path is not None or not cfg.evaluate, "evaluate", True,
+            "needs ckpt_path=PATH|last: the weights to evaluate")
+    require(not cfg.test or "pipeline" not in spec.strategies, "test", True,
+            "the pipeline strategy runs fit and validation only")
 
 
 def require_finite(key: str, node: Any) -> None:
@@ -122,10 +150,25 @@ def resolved(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def plan_for(spec: RunSpec) -> Plan:
-    """The run's plan, once the table allows its strategies: the one place plans are made (by the
-    command, for the run and for auto's trials; ranks read the plan.yaml it saves)."""
-    check(list(spec.strategies), load_table())
-    plan = make_plan(spec.strategies, spec.trainer, spec.batch_size)
+    """The run's plan, once the table allows its strategies (the preflight's stage before this one;
+    auto's candidates come from the table's rows): the one place plans are made (by the command, for
+    the run and for auto's trials; ranks read the plan.yaml it saves). Besides the
+    strategies', lightfleet's own contributions: the collective knobs' (their cross-field rule
+    against trainer.benchmark refuses here) and the runner's callbacks."""
+    measure = OmegaConf.to_object(spec.cfg.measure)
+    runner_callbacks = Contribution(callbacks=[
+        *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
+        Component("runner.rank.preemption:Preemption"),  # checkpoints/last.ckpt at a preemption signal
+        Component("plugins.resume:RandomStates"), Component("plugins.resume:EpochEndPosition")])  # exact resumes
+
+    def cuda_available() -> bool:  # deliberately lazy: asked only when a contribution needs the device type
+        import torch
+
+        return torch.cuda.is_available()
+
+    plan = make_plan(spec.strategies, spec.trainer, spec.batch_size, cuda_available=cuda_available,
+                     lightfleet={"collective": OmegaConf.to_object(spec.cfg.collective).contribute,
+                                 "lightfleet": lambda run: runner_callbacks})
     note = OmegaConf.to_object(spec.cfg.parameter_server).note()
     plan.notes += [note] if note else []
     return plan

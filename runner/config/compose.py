@@ -46,11 +46,11 @@ def register_configs() -> None:
         store.store(group="experiment", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
-def store_saved_run(run_dir: Path) -> None:
-    """The config a run saved, as the primary config SAVED_RUN, its directories back to the
-    defaults and every path inside the old run directory (loggers, checkpoints) re-pointed at
+def store_saved_run(saved_config: Path) -> None:
+    """The config a run saved (its config.yaml), as the primary config SAVED_RUN, its directories back to
+    the defaults and every path inside the old run directory (loggers, checkpoints) re-pointed at
     `${paths.output_dir}`: run again, it writes a new run directory, never into the old one."""
-    saved = OmegaConf.load(run_dir / "config.yaml")
+    saved = OmegaConf.load(saved_config)
     old_dir = saved.paths.output_dir
 
     def repoint(value: Any) -> Any:

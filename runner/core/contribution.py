@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 from runner.core.errors import Refusal
-from runner.core.world import Layout, World
+from runner.core.world import Layout, World, device_type
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,12 @@ class Component:
     """A callable named by import path ("package.module:attr") and the keyword arguments it gets.
 
     Calling conventions by plan slot: precision `f(device_type=..., **kwargs) -> Precision`;
-    lightning_strategy `f(comm_hook=None, **kwargs) -> Strategy` (comm_hook only where it takes
-    one); comm hook `f(**kwargs) -> (state, hook)`, called once the process group exists;
-    optimizer replacement `f(optimizer, model=..., **kwargs) -> Optimizer`, applied to each
-    optimizer the model's `configure_optimizers` returns; model transform `f(module, context,
+    lightning_strategy `f(comm_hook=None, **kwargs, **the plan's lightning strategy arguments)
+    -> Strategy` (comm_hook only where it takes one; every one takes `timeout_s`, the process
+    group's timeout in seconds); comm hook `f(**kwargs) -> (state, hook)`, called once the
+    process group exists; optimizer replacement `f(optimizer, model=..., **kwargs) -> Optimizer`,
+    applied to each optimizer the model's `configure_optimizers` returns, then each optimizer
+    transform `f(optimizer, **kwargs) -> Optimizer` in order; model transform `f(module, context,
     **kwargs) -> names of the modules changed` (plugins/transforms.py); callback `f(**kwargs) -> Callback`.
     """
 
@@ -35,15 +37,32 @@ class Component:
         return getattr(importlib.import_module(module), attr)
 
 
+def no_cuda() -> bool:
+    """RunShape's CUDA probe unless the command gives its own: a machine without CUDA."""
+    return False
+
+
 @dataclass(frozen=True)
 class RunShape:
-    """What a strategy may know about the run when it contributes: its processes, the data's
-    batch size per step and process (None when the data config has none), and the selected
-    strategies' knobs, by name."""
+    """What a contributor may know about the run when it contributes: its processes, the data's
+    batch size per step and process (None when the data config has none), the selected
+    strategies' knobs by name, the trainer's arguments, its device type and, for lightfleet's
+    own contributors (runner/core/plan.py: they come after the strategies), the Lightning
+    strategy the plan has."""
 
     world: World
     batch_size: Optional[int] = None
     selected: Dict[str, "Strategy"] = field(default_factory=dict)
+    trainer: Any = None  # the validated TrainerConfig (runner/config/schema.py); None: its defaults
+    # Asked only when a contribution needs `device_type` with trainer.accelerator=auto: the
+    # command's probe imports torch, which a refused command should not pay for.
+    cuda_available: Callable[[], bool] = field(default=no_cuda, compare=False, repr=False)
+    lightning_strategy: Optional[str] = None  # its target (None: Lightning's own, in one process)
+
+    @functools.cached_property
+    def device_type(self) -> str:
+        """cuda or cpu (runner.core.world.device_type)."""
+        return device_type(getattr(self.trainer, "accelerator", "auto"), self.cuda_available)
 
     @functools.cached_property
     def layout(self) -> Optional[Layout]:
@@ -56,15 +75,18 @@ class RunShape:
 
 @dataclass
 class Contribution:
-    """What one strategy adds to the plan: claims on the exclusive slots, model transforms by
-    phase, trainer arguments, callbacks and notes for the printed plan."""
+    """What one strategy (or lightfleet itself) adds to the plan: claims on the exclusive slots,
+    arguments for the plan's Lightning strategy, model transforms by phase, optimizer transforms,
+    trainer arguments, callbacks and notes for the printed plan."""
 
     precision: Optional[Component] = None
     lightning_strategy: Optional[Component] = None
     takes_comm_hook: bool = False  # whether `lightning_strategy` registers a gradient communication hook
+    lightning_strategy_args: Dict[str, Any] = field(default_factory=dict)  # for whichever the plan has
     optimizer: Optional[Component] = None
     comm_hook: Optional[Component] = None
     model_transforms: List[Tuple[str, Component]] = field(default_factory=list)  # (phase, component)
+    optimizer_transforms: List[Component] = field(default_factory=list)  # after the optimizer replacement
     trainer_args: Dict[str, Any] = field(default_factory=dict)
     callbacks: List[Component] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)

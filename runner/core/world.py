@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from runner.core.errors import ConfigError, require
 
@@ -88,6 +88,14 @@ def layout(world_size: int, *, dp_replicate: int = 1, dp_shard: Optional[int] = 
             f"dp_degree x degree x mp_degree x pp_degree = {dp_replicate} x {shard} x {tp} x {pp} = "
             f"{product}, but the run has {world_size} process(es)")
     return Layout(dp_replicate=dp_replicate, dp_shard=shard, pp=pp, tp=tp)
+
+
+def device_type(accelerator: str, cuda_available: Callable[[], bool]) -> str:
+    """The torch device type a run uses: cuda when trainer.accelerator asks for it, or is auto and
+    `cuda_available()` (asked only then: it imports torch); else cpu."""
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and cuda_available()):
+        return "cuda"
+    return "cpu"
 
 
 def launched_externally() -> bool:

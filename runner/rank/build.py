@@ -1,16 +1,17 @@
-"""Build: turn a validated config and its plan into a Trainer, a model and a datamodule.
+"""Build: carry out a validated config's plan, into a Trainer, a model and a datamodule.
 
 The user's LightningModule and DataModule are instantiated by `_target_`; the plan's model
 transforms run in the model's `configure_model` (plugins/transforms.py), its optimizer
-replacement wraps the model's `configure_optimizers`, and its precision plugin, Lightning
-strategy (with the communication hook), trainer arguments and callbacks go to the Trainer.
-The collective knobs (plugins/collective.py) join in at each of these places.
+replacement and optimizer transforms wrap the model's `configure_optimizers`, and its precision
+plugin, Lightning strategy (with its arguments and the communication hook), trainer arguments
+and callbacks go to the Trainer, with the config's own trainer arguments, callbacks and loggers.
+Nothing else: what changes how the model trains or communicates is in the plan (runner/core/plan.py).
 The user's code never has to know which strategies are on.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -25,18 +26,15 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from plugins import collective
-from plugins.resume import EpochEndPosition, RandomStates
 from plugins.transforms import ModelContext, Transform, apply_transforms, transform_in_configure_model
 from runner.config.arguments import check_arguments
-from runner.config.checks import RunSpec
+from runner.core import world
 from runner.core.errors import ConfigError
+from runner.core.plan import AFTER_USER, LIGHTFLEET_DDP, Claim, Plan
 from runner.rank.measure import RunMeter
-from runner.core.plan import Plan
-from runner.rank.preemption import Preemption
+from runner.records.files import BUILD_YAML
 from runner.records.run_dir import write_yaml
-from runner.config.schema import CollectiveConfig
 
-DDP_TARGET = "plugins.ddp:build_ddp"  # lightfleet's DDP, which takes the collective knobs' DDP arguments
 # A scheduler re-pointed by `replace_optimizers` warns that its optimizer's step "has been
 # overridden": the replacement is deliberate, and the scheduler still steps after the optimizer.
 warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been overridden")
@@ -47,14 +45,12 @@ class Built:
     trainer: pl.Trainer
     model: pl.LightningModule
     datamodule: pl.LightningDataModule
-    meter: Optional[RunMeter]  # None when measurement is switched off
+    meter: Optional[RunMeter]  # the plan's, None when measurement is switched off
 
 
 def device_type(accelerator: str) -> str:
-    """The torch device type the run uses: CUDA when asked for or (auto) available, else CPU."""
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
-        return "cuda"
-    return "cpu"
+    """The torch device type the run uses (runner.core.world.device_type, on this machine's CUDA)."""
+    return world.device_type(accelerator, torch.cuda.is_available)
 
 
 def instantiate_checked(key: str, node: DictConfig) -> Any:
@@ -66,62 +62,57 @@ def instantiate_checked(key: str, node: DictConfig) -> Any:
     return instantiate(node, _convert_="all")
 
 
-def build(spec: RunSpec, plan: Plan, run_dir: Path) -> Built:
-    cfg = spec.cfg
-    device = device_type(spec.trainer.accelerator)
+def build(cfg: DictConfig, plan: Plan, run_dir: Path) -> Built:
+    """`cfg`: the run's config as the command checked and saved it (config.yaml); nothing is checked again."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     model = instantiate_checked("model", cfg.model)
     datamodule = instantiate_checked("data", cfg.data)
 
-    collective_config: CollectiveConfig = OmegaConf.to_object(cfg.collective)  # its __post_init__ checks ranges
-    uses_ddp = plan.lightning_strategy is not None and plan.lightning_strategy.component.target == DDP_TARGET
-    collective_lines = collective.describe(collective_config, uses_ddp, "sharding" in plan.strategies)
+    # What carries out each collective knob, for build.yaml (the plan holds what it applies).
+    uses_ddp = plan.lightning_strategy is not None and plan.lightning_strategy.component.target == LIGHTFLEET_DDP
+    collective_lines = collective.describe(OmegaConf.to_object(cfg.collective), uses_ddp, "sharding" in plan.strategies)
     transform_in_configure_model(model, model_transforms(plan),
                                  partial(record_transforms, model, plan, run_dir, collective_lines))
-
-    trainer_args = asdict(spec.trainer)
-    trainer_args.update(collective.trainer_args(collective_config, spec.trainer, device))
-    trainer_args.update({arg: claim["value"] for arg, claim in plan.trainer_args.items()})
+    if plan.optimizer is not None:
+        replace_optimizers(model, optimizer_replacement(plan, model))
+    for claim in plan.optimizer_transforms:  # after the replacement: they change the optimizer it made
+        replace_optimizers(model, partial(claim.component.load(), **claim.component.kwargs))
+    trainer_args = {**OmegaConf.to_container(cfg.trainer, resolve=True),
+                    **{arg: claim["value"] for arg, claim in plan.trainer_args.items()}}
     plugins: List[Any] = []
     if plan.precision is not None:
-        plugins.append(plan.precision.component.load()(device_type=device, **plan.precision.component.kwargs))
-    if plan.optimizer is not None:
-        replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
-                                          **plan.optimizer.component.kwargs))
-    apply_collective_to_model(model, collective_config)
-    # The plan's callbacks first: the user's then see what the strategies did (summed gradients, averaged parameters).
-    callbacks = [claim.component.load()(**claim.component.kwargs) for claim in plan.callbacks]
+        precision = plan.precision.component
+        plugins.append(precision.load()(device_type=device_type(cfg.trainer.accelerator), **precision.kwargs))
+    # The config's callbacks go between the strategies' and lightfleet's own (runner/core/plan.py says why).
+    callbacks = [load(claim) for claim in plan.callbacks if claim.phase != AFTER_USER]
     callbacks += [instantiate_checked(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node]
-    meter = RunMeter(cfg.measure.warmup_steps) if cfg.measure.enabled else None
-    callbacks += [meter] if meter else []
-    callbacks.append(collective.CollectiveSetup(collective_config))
-    callbacks.append(Preemption(run_dir / "checkpoints" / "last.ckpt"))
-    callbacks += [RandomStates(), EpochEndPosition()]
-    strategy = lightning_strategy(plan, collective.ddp_kwargs(collective_config) if uses_ddp else None)
-    collective.set_timeout(strategy, collective_config)
-    trainer = pl.Trainer(**trainer_args, strategy=strategy, plugins=plugins, callbacks=callbacks,
+    callbacks += [load(claim) for claim in plan.callbacks if claim.phase == AFTER_USER]
+    trainer = pl.Trainer(**trainer_args, strategy=lightning_strategy(plan), plugins=plugins, callbacks=callbacks,
                          logger=loggers(cfg), default_root_dir=str(run_dir))
+    meter = next((callback for callback in callbacks if isinstance(callback, RunMeter)), None)
     return Built(trainer, model, datamodule, meter)
 
 
-def lightning_strategy(plan: Plan, ddp_kwargs: Optional[Dict[str, Any]] = None) -> Any:
-    """The plan's Lightning strategy, given its communication hook and (lightfleet's DDP) the
-    collective knobs' DDP arguments; "auto" (Lightning's choice) if none."""
+def load(claim: Claim) -> Any:
+    """What a claim's component makes when called with its keyword arguments."""
+    return claim.component.load()(**claim.component.kwargs)
+
+
+def lightning_strategy(plan: Plan) -> Any:
+    """The plan's Lightning strategy, given its arguments and communication hook; "auto"
+    (Lightning's choice) if none."""
     if plan.lightning_strategy is None:
         return "auto"
-    kwargs = {**plan.lightning_strategy.component.kwargs, **(ddp_kwargs or {})}
+    kwargs = {**plan.lightning_strategy.component.kwargs,
+              **{arg: claim["value"] for arg, claim in plan.lightning_strategy_args.items()}}
     if plan.comm_hook is not None:
         kwargs["comm_hook"] = partial(plan.comm_hook.component.load(), **plan.comm_hook.component.kwargs)
     return plan.lightning_strategy.component.load()(**kwargs)
 
 
-def apply_collective_to_model(model: pl.LightningModule, config: CollectiveConfig) -> None:
-    """torch.compile (op fusion) in `configure_model` after the plan's transforms, so it compiles
-    the model they changed; foreach optimizers (optimizer fusion) after the plan's replacement."""
-    if collective.compiles(config):
-        transform_in_configure_model(model, [(collective.compile_model, {})])
-    if config.build_strategy.fuse_all_optimizer_ops:
-        replace_optimizers(model, collective.use_foreach)
+def optimizer_replacement(plan: Plan, model: pl.LightningModule) -> Callable[[Optimizer], Optimizer]:
+    """The plan's optimizer replacement, for `replace_optimizers`."""
+    return partial(plan.optimizer.component.load(), model=model, **plan.optimizer.component.kwargs)
 
 
 def check_plan_on_model(model: pl.LightningModule, plan: Plan) -> None:
@@ -136,8 +127,7 @@ def check_plan_on_model(model: pl.LightningModule, plan: Plan) -> None:
 
     def optimizer() -> None:
         if plan.optimizer is not None:
-            replace_optimizers(model, partial(plan.optimizer.component.load(), model=model,
-                                              **plan.optimizer.component.kwargs))
+            replace_optimizers(model, optimizer_replacement(plan, model))
             model.configure_optimizers()
 
     for check in (transforms, optimizer):
@@ -166,7 +156,7 @@ def record_transforms(model: pl.LightningModule, plan: Plan, run_dir: Path, coll
         resolved["model_transforms"].append({"by": claim.by, "phase": claim.phase, "modules": names})
         rank_zero_info(f"lightfleet: {claim.by} ({claim.phase}) applied to: {', '.join(names)}")
     if model.trainer.is_global_zero:
-        write_yaml(run_dir / "build.yaml", resolved)
+        write_yaml(run_dir / BUILD_YAML, resolved)
 
 
 def replace_optimizers(model: pl.LightningModule, replace: Callable[[Optimizer], Optimizer]) -> None:

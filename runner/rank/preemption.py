@@ -23,6 +23,8 @@ from typing import Any, Optional
 import pytorch_lightning as pl
 import torch
 
+from runner.records.files import LAST_CHECKPOINT
+
 PREEMPTED = 143  # the exit status of a preempted run: 128 + SIGTERM, as a scheduler expects
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 ORPHAN_GRACE_S = 20.0  # after the parent's death, the time a rank has to checkpoint before it leaves
@@ -39,8 +41,8 @@ class Preempted(SystemExit):
 class Preemption(pl.Callback):
     """Checkpoint at the step a preemption signal arrives in, on every rank alike."""
 
-    def __init__(self, checkpoint: Path) -> None:
-        self.checkpoint = checkpoint
+    def __init__(self, checkpoint: str = LAST_CHECKPOINT) -> None:
+        self.checkpoint = checkpoint  # relative: under the run directory (the trainer's default_root_dir)
         self.received = 0  # the signal's number; 0 while none came
         self.agreed_signal = 0
         self.last_step = -1
@@ -59,7 +61,7 @@ class Preemption(pl.Callback):
             return
         self.last_step = trainer.global_step
         if self.agreed(trainer):
-            trainer.save_checkpoint(str(self.checkpoint), weights_only=False)
+            trainer.save_checkpoint(str(Path(trainer.default_root_dir) / self.checkpoint), weights_only=False)
             raise Preempted(self.agreed_signal, trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -105,4 +107,4 @@ def resume_line(run_dir: Path, signum: int, step: Optional[int] = None) -> str:
     """What the command says when its run was preempted."""
     at = f" at step {step}" if step is not None else ""
     return (f"lightfleet: preempted by {signal.Signals(signum).name}{at}; checkpoint saved in "
-            f"{run_dir / 'checkpoints' / 'last.ckpt'}; continue with: lightfleet resume {run_dir}")
+            f"{run_dir / LAST_CHECKPOINT}; continue with: lightfleet resume {run_dir}")

@@ -11,12 +11,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from runner.config.checks import RunSpec, validate
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
 from runner.core.plan import Plan
 from runner.core.clock import started_at
+from runner.records.files import CONFIG_YAML, RESULTS_YAML, rank_traceback
 from runner.records.run_dir import read_plan, write_yaml
 
 
@@ -37,19 +37,20 @@ def quiet_console(verbose: bool) -> None:
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
-def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
-    """Build, fit, and record the final metrics (rank 0 writes results.yaml)."""
+def train(cfg: DictConfig, plan: Plan) -> Dict[str, Any]:
+    """Build, fit, and record the final metrics (rank 0 writes results.yaml). `cfg` and `plan` are
+    the run's as the command's preflight checked and saved them."""
     import torch
 
     from pytorch_lightning.utilities.model_helpers import is_overridden
 
     from runner.rank.build import build
 
-    quiet_console(spec.cfg.verbose)
+    quiet_console(cfg.verbose)
 
-    run_dir = Path(spec.cfg.paths.output_dir)
-    built = build(spec, plan, run_dir)
-    trainer, cfg = built.trainer, spec.cfg
+    run_dir = Path(cfg.paths.output_dir)
+    built = build(cfg, plan, run_dir)
+    trainer = built.trainer
     if cfg.test:
         for hook, owner in (("test_dataloader", built.datamodule), ("test_step", built.model)):
             require(is_overridden(hook, owner), "test", True, f"{type(owner).__name__} has no {hook}")
@@ -66,7 +67,7 @@ def train(spec: RunSpec, plan: Plan) -> Dict[str, Any]:
     if built.meter is not None and built.meter.summary:
         results.update(built.meter.summary, wall_s=time.time() - started_at())
     if trainer.is_global_zero:
-        write_yaml(run_dir / "results.yaml", results)
+        write_yaml(run_dir / RESULTS_YAML, results)
     if torch.distributed.is_initialized():
         # Left to interpreter exit, the process group's communication threads can be torn down
         # while still joinable, which aborts the rank ("terminate called without an active
@@ -87,18 +88,19 @@ def save_last_checkpoint(trainer: Any) -> None:
 
 def train_from(records: Path) -> Dict[str, Any]:
     """Train from the config.yaml and plan.yaml the command saved in `records` (a fresh run
-    directory: a finished run is replayed into a new one with `lightfleet replay`)."""
-    spec = validate(OmegaConf.load(records / "config.yaml"))
-    require(not (Path(spec.cfg.paths.output_dir) / "results.yaml").exists(), "run directory", str(records),
+    directory: a finished run is replayed into a new one with `lightfleet replay`). The command
+    checked both; only whether the run already finished is the rank's to see."""
+    cfg = OmegaConf.load(records / CONFIG_YAML)
+    require(not (Path(cfg.paths.output_dir) / RESULTS_YAML).exists(), "run directory", str(records),
             f"has finished; `lightfleet replay {records}` runs it again in a new directory")
-    return train(spec, read_plan(records))
+    return train(cfg, read_plan(records))
 
 
 def report_failure(records: Path, error: Exception) -> int:
     """A rank's failure in the user's code: the traceback to a file of the run's logs, one line to
     stderr (the command repeats it); the exit status."""
     rank = os.environ.get("RANK", "0")
-    path = records / "logs" / f"traceback.rank{rank}.txt"
+    path = records / rank_traceback(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(traceback.format_exception(error)))
     print(f"lightfleet: {error_line(error)}; traceback in {path}", file=sys.stderr, flush=True)

@@ -1,11 +1,5 @@
-"""The run directory: everything needed to see what ran and to run it again.
-
-    config.yaml   the resolved config (every rank reads it: reproducible from it alone)
-    plan.yaml     the plan every rank carries out (its printed form, then its data)
-    env.yaml      command, versions of python/torch/lightning/hydra/lightfleet, git commit
-    build.yaml    what build resolved (e.g. the modules recompute wrapped)
-    csv/, results.yaml, checkpoints/, logs/   metrics, final metrics and measurements, checkpoints, rank logs
-    failure.yaml  how a failed run ended; refused.yaml: why a sweep's job did not start
+"""The run directory: everything needed to see what ran and to run it again (its files and
+how a job ended: runner/records/files.py), made by the command before any rank starts.
 """
 from __future__ import annotations
 
@@ -26,19 +20,21 @@ from runner.config.compat import PROJECT_ROOT
 from runner.core.errors import ConfigError, require
 from runner.core.plan import Plan, format_plan
 from runner.core.world import World, launched_externally
+from runner.records.files import (CONFIG_YAML, ENV_YAML, FAILED, FAILURE_YAML, LAST_CHECKPOINT, MULTIRUN_YAML,
+                                  NODES_DIR, PLAN_YAML, RANKS_DIR, failure_outcome)
 
 
 def create_run_dir(cfg: DictConfig, plan: Plan, command: Sequence[str], records: Path) -> None:
     """Resolve the config and write config, plan and environment into `records`: the run
     directory, or for a second node or an externally launched rank its subdirectory
     (`records_subdir`). The command reserved it (`reserve_dir`); Hydra made it."""
-    if (records / "config.yaml").exists():
+    if (records / CONFIG_YAML).exists():
         raise ConfigError("paths.output_dir", str(records), "already holds a run; choose another directory")
     OmegaConf.resolve(cfg)
     records.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, records / "config.yaml")
-    write_yaml(records / "plan.yaml", {"printed": format_plan(plan).splitlines(), **plan.to_dict()})
-    write_yaml(records / "env.yaml", environment(command))
+    OmegaConf.save(cfg, records / CONFIG_YAML)
+    write_yaml(records / PLAN_YAML, {"printed": format_plan(plan).splitlines(), **plan.to_dict()})
+    write_yaml(records / ENV_YAML, environment(command))
 
 
 def reserve_dir(cfg: DictConfig, hydra_key: str, paths_key: str, subdir: str = "") -> Path:
@@ -56,7 +52,7 @@ def reserve_dir(cfg: DictConfig, hydra_key: str, paths_key: str, subdir: str = "
     check_writable(paths_key if hydra_dir == paths_dir else hydra_key, path)
     if not subdir and _named_by_clock(cfg, hydra_key):
         return fresh_dir(path)
-    for record, holds in (("config.yaml", "a run"), ("multirun.yaml", "a sweep")):
+    for record, holds in ((CONFIG_YAML, "a run"), (MULTIRUN_YAML, "a sweep")):
         if (path / subdir / record).exists():
             raise ConfigError(paths_key if hydra_dir == paths_dir else hydra_key, str(path),
                               f"already holds {holds}; choose another directory")
@@ -72,7 +68,7 @@ def check_writable(key: str, path: Path) -> None:
     except OSError as error:
         raise ConfigError(key, str(path), f"cannot be written: {error.strerror} ({existing})") from None
     for parent in path.parents:
-        require(not (parent / "plan.yaml").is_file(), key, str(path),
+        require(not (parent / PLAN_YAML).is_file(), key, str(path),
                 f"is inside the run directory {parent}; choose a directory outside it")
 
 
@@ -86,10 +82,10 @@ def find_checkpoint(ckpt_path: str, root_dir: str, base: Path) -> str:
             raise ConfigError("ckpt_path", ckpt_path, f"no such checkpoint ({path})")
         return str(path)
     root = (base / Path(root_dir).expanduser()).resolve()
-    found = [p for folder in ("outputs", "multirun") for p in (root / folder).glob("**/checkpoints/last.ckpt")]
+    found = [p for folder in ("outputs", "multirun") for p in (root / folder).glob(f"**/{LAST_CHECKPOINT}")]
     if not found:
         raise ConfigError("ckpt_path", ckpt_path, f"no run under {root / 'outputs'} or {root / 'multirun'} "
-                          "has checkpoints/last.ckpt; give the checkpoint's path")
+                          f"has {LAST_CHECKPOINT}; give the checkpoint's path")
     return str(max(found, key=lambda p: p.stat().st_mtime))
 
 
@@ -102,21 +98,21 @@ def records_subdir(world: World) -> str:
     """
     if launched_externally():
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-        return f"ranks/{rank}" if rank else ""
+        return f"{RANKS_DIR}/{rank}" if rank else ""
     if world.num_nodes > 1 and int(os.environ["NODE_RANK"]):
-        return f"nodes/{os.environ['NODE_RANK']}"
+        return f"{NODES_DIR}/{os.environ['NODE_RANK']}"
     return ""
 
 
-def record_failure(records: Path, exit_code: int, error: str, status: str = "failed") -> None:
-    """failure.yaml: how the run ended (out of memory is told apart: the cure differs)."""
-    status = "out_of_memory" if "out of memory" in error.lower() else status
-    write_yaml(records / "failure.yaml", {"status": status, "exit_code": exit_code, "error": error})
+def record_failure(records: Path, exit_code: int, error: str, status: str = FAILED) -> None:
+    """failure.yaml: how the run ended (`status`, unless it ran out of memory: the cure differs)."""
+    write_yaml(records / FAILURE_YAML, {"status": failure_outcome(error, status), "exit_code": exit_code,
+                                       "error": error})
 
 
 def read_plan(records: Path) -> Plan:
     """The plan the command saved in `records`."""
-    return Plan.from_dict(yaml.safe_load((records / "plan.yaml").read_text()))
+    return Plan.from_dict(yaml.safe_load((records / PLAN_YAML).read_text()))
 
 
 def _named_by_clock(cfg: DictConfig, key: str) -> bool:

@@ -1,7 +1,8 @@
 """collective.*: each Fleet knob reaches the PyTorch mechanism that carries it out, seen from inside
 real `lightfleet` runs (CPU, gloo, 2 processes where distributed) by `CollectiveProbe`, a callback
-put in from the command line; knobs this device cannot apply give one info line; a bad value
-is exit 2; a Fleet file's collective fields import as collective.* and train."""
+put in from the command line; knobs this device cannot apply give one info line; a bad value, or
+one against a trainer argument, is exit 2 with nothing made; a Fleet file's collective fields
+import as collective.* and train. tests/runner/test_plan.py checks what the knobs add to the plan."""
 from __future__ import annotations
 
 import json
@@ -96,16 +97,15 @@ class Block(nn.Module):
 
 def test_sync_batch_norm_on_cuda_converts_every_nested_batch_norm(spec_for):
     """What a CUDA run builds (runnable on CPU: the conversion needs no GPU, only SyncBatchNorm's
-    forward does): the knob's Trainer argument, and the layer sync of lightfleet's DDP with it
-    converting every batch norm of a model that is not ours."""
-    from plugins import collective
+    forward does): the knob's Trainer argument in the plan, and the layer sync of lightfleet's DDP
+    with it converting every batch norm of a model that is not ours."""
     from runner.rank.build import lightning_strategy
     from runner.config.checks import plan_for
 
-    spec = spec_for("collective.sync_batch_norm=true", TWO_RANKS)
-    args = collective.trainer_args(OmegaConf.to_object(spec.cfg.collective), spec.trainer, "cuda")
-    assert args == {"sync_batchnorm": True}
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=lightning_strategy(plan_for(spec)), logger=False,
+    plan = plan_for(spec_for("collective.sync_batch_norm=true", TWO_RANKS, "trainer.accelerator=gpu"))
+    args = {arg: claim["value"] for arg, claim in plan.trainer_args.items()}
+    assert args == {"sync_batchnorm": True} and plan.trainer_args["sync_batchnorm"]["by"] == "collective"
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=lightning_strategy(plan), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **args)
     model = trainer.strategy._layer_sync.apply(nn.Sequential(Block(), nn.Sequential(Block(), nn.BatchNorm1d(4))))
     norms = [type(module) for module in model.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
@@ -168,6 +168,9 @@ def test_a_rank_that_hangs_ends_the_run_at_the_timeout_naming_the_other_rank(lig
 def test_an_op_fusion_flag_compiles_the_model(lightfleet, tmp_path):
     seen = probed(lightfleet, tmp_path, "collective.build_strategy.fuse_elewise_add_act_ops=true")
     assert seen["compiled"] is True and seen["dynamo_graphs"] >= 1
+    build = OmegaConf.load(tmp_path / "run" / "build.yaml")
+    assert OmegaConf.to_container(build.model_transforms) == [
+        {"by": "collective", "phase": "compile", "modules": ["MLPClassifier"]}]
     plain = lightfleet(*STEPS, PROBE, "trainer.accelerator=cpu", "paths.output_dir=plain")
     assert plain.returncode == 0, plain.stderr
     assert json.loads((tmp_path / "plain" / "probe.rank0.json").read_text())["compiled"] is False
@@ -179,6 +182,14 @@ def test_a_bad_value_is_one_line_and_exit_2(lightfleet):
     assert done.stderr.splitlines() == ["lightfleet: error: collective.fuse_grad_size_in_MB=-1.0: must be > 0"]
     done = lightfleet(*STEPS, "collective.sync_batch_norm=maybe")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_cudnn_search_against_trainer_benchmark_false_is_refused_before_anything_is_made(lightfleet, tmp_path):
+    done = lightfleet(*STEPS, "collective.cudnn_exhaustive_search=true", "trainer.benchmark=false")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["lightfleet: error: collective.cudnn_exhaustive_search=True: "
+                                        "trainer.benchmark=false says the opposite; set only one of them"]
+    assert list(tmp_path.iterdir()) == []
 
 
 FLEET_FILE = """\

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import asdict
 
 import pytest
 import pytorch_lightning as pl
@@ -24,6 +25,7 @@ from plugins.dgc_state import DGCState
 from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
+from runner.strategies.dgc import DGCConfig
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 1e-3
 # The exactness run: 3 dense steps, then the sparsity list walked over 6 steps, then 0.999.
@@ -217,7 +219,7 @@ def attached_model(optimizer_factory, **trainer_args) -> tuple[MLPClassifier, DG
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=build_ddp(comm_hook=build_hook), logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          **trainer_args)
-    state, _ = build_hook(0, 1, [0.999])
+    state, _ = build_hook(**asdict(DGCConfig()))
     trainer.strategy.comm_hook_state = state
     model.trainer = trainer
     return model, state

@@ -3,6 +3,8 @@ replacement of the user's Adam/AdamW, float16 overflow steps, and a real 2-proce
 The checks shared with test_lars.py live in optimizer_checks.py."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from plugins.lamb import LAMB, replace_optimizer
 from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
+from runner.strategies.lamb import LambConfig
 
 
 class ReferenceLAMB(PerTensorReference):
@@ -120,24 +123,25 @@ def test_replacement_keeps_groups_and_the_scheduler_follows():
 def test_wrong_base_optimizer_is_refused():
     model = MLPClassifier()
     allowed = r"lamb needs an Adam-family optimizer \(torch\.optim\.Adam or torch\.optim\.AdamW\)"
+    knobs = asdict(LambConfig())
     with pytest.raises(ConfigError, match=rf"^model\.optimizer='SGD': {allowed}$"):
-        replace_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
+        replace_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model, **knobs)
     with pytest.raises(ConfigError, match=rf"^model\.optimizer='Adagrad': {allowed}$"):
-        replace_optimizer(torch.optim.Adagrad(model.parameters()), model=model)
-    assert isinstance(replace_optimizer(torch.optim.Adam(model.parameters()), model=model), LAMB)
+        replace_optimizer(torch.optim.Adagrad(model.parameters()), model=model, **knobs)
+    assert isinstance(replace_optimizer(torch.optim.Adam(model.parameters()), model=model, **knobs), LAMB)
 
 
 def test_state_dict_round_trips():
     assert_state_dict_round_trips(
         lambda model: replace_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model=model,
-                                        exclude_from_weight_decay=["bias"]),
-        blank=lambda params: LAMB(params, lr=1.0, betas=(0.5, 0.5)),
+                                        **asdict(LambConfig(exclude_from_weight_decay=["bias"]))),
+        blank=lambda params: LAMB(params, lr=1.0, betas=(0.5, 0.5), lamb_weight_decay=1.0),
         loaded=lambda state: state["step"].item() == 2)
 
 
 def test_float16_overflow_steps_leave_params_and_state_untouched():
     model = ReplacedOptimizerMLP(replace_optimizer, lambda params: torch.optim.AdamW(params, lr=0.01),
-                                 exclude_from_weight_decay=["bias"])
+                                 **asdict(LambConfig(exclude_from_weight_decay=["bias"])))
     optimizer = fit_float16_with_overflows(model)
     assert isinstance(optimizer, LAMB)
     assert {state["step"].item() for state in optimizer.state.values()} == {4.0}  # 6 steps, 2 skipped
@@ -146,14 +150,16 @@ def test_float16_overflow_steps_leave_params_and_state_untouched():
 def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     ranks = run_ddp_fit("""
         import functools
+        from dataclasses import asdict
 
         import torch
 
         from optimizer_checks import fit_ddp_rank
         from plugins.lamb import replace_optimizer
+        from runner.strategies.lamb import LambConfig
 
         fit_ddp_rank(replace_optimizer, functools.partial(torch.optim.AdamW, lr=0.01),
-                     exclude_from_weight_decay=["bias", "net.0"])
+                     **asdict(LambConfig(exclude_from_weight_decay=["bias", "net.0"])))
     """, tmp_path)
     assert [r["optimizer"] for r in ranks] == ["LAMB", "LAMB"]
     assert {s["step"].item() for s in ranks[0]["state"]["state"].values()} == {20.0}

@@ -3,6 +3,8 @@ replacement of the user's momentum SGD, float16 overflow steps, and a real 2-pro
 The checks shared with test_lamb.py live in optimizer_checks.py."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from plugins.lars import LARS, replace_optimizer
 from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
+from runner.strategies.lars import LarsConfig
 
 
 class ReferenceLARS(PerTensorReference):
@@ -61,11 +64,11 @@ def test_steps_match_the_formula_per_tensor(chunk_numel, monkeypatch):
 
 def test_excluded_names_get_no_weight_decay_also_inside_recomputed_blocks():
     model, params, excluded, batch = recomputed_resnet()
-    optimizer = replace_optimizer(torch.optim.SGD(params, lr=0.4, momentum=0.9), model=model, lars_coeff=0.02,
-                                  lars_weight_decay=0.05, exclude_from_weight_decay=["bias", "bn"])
+    knobs = LarsConfig(lars_coeff=0.02, lars_weight_decay=0.05, exclude_from_weight_decay=["bias", "bn"])
+    optimizer = replace_optimizer(torch.optim.SGD(params, lr=0.4, momentum=0.9), model=model, **asdict(knobs))
     assert optimizer.param_groups[0]["no_weight_decay"] == excluded
     reference = ReferenceLARS(params, lr=[0.4] * len(params), wd=[0.0 if e else 0.05 for e in excluded],
-                              momentum=0.9, lars_coeff=0.02, epsilon=0.0)
+                              momentum=0.9, lars_coeff=0.02, epsilon=knobs.epsilon)
     step_both(model, optimizer, reference, batch, steps=3)
 
 
@@ -77,10 +80,12 @@ def test_replacement_keeps_groups_and_the_scheduler_follows():
                           lr=0.1, momentum=0.9, weight_decay=1e-4)
     scheduler = two_group_scheduler(sgd)
 
-    lars = replace_optimizer(sgd, model=model, lars_coeff=0.01, exclude_from_weight_decay=["bias"])
+    knobs = LarsConfig(lars_coeff=0.01, exclude_from_weight_decay=["bias"])
+    lars = replace_optimizer(sgd, model=model, **asdict(knobs))
     assert_groups_kept(sgd, lars)
     for group in lars.param_groups:
-        assert (group["lars_coeff"], group["lars_weight_decay"], group["epsilon"]) == (0.01, 0.0005, 0.0)
+        assert (group["lars_coeff"], group["lars_weight_decay"], group["epsilon"]) == \
+            (0.01, knobs.lars_weight_decay, knobs.epsilon)
     assert [g["momentum"] for g in lars.param_groups] == [0.9, 0.8]
     assert lars.param_groups[0]["name"] == "blocks"
 
@@ -91,35 +96,42 @@ def test_replacement_keeps_groups_and_the_scheduler_follows():
 def test_wrong_base_optimizer_is_refused():
     model = MLPClassifier()
     allowed = r"lars needs momentum SGD \(torch\.optim\.SGD with momentum > 0\)"
+    knobs = asdict(LarsConfig())
     with pytest.raises(ConfigError, match=rf"^model\.optimizer='Adam': {allowed}$"):
-        replace_optimizer(torch.optim.Adam(model.parameters()), model=model)
+        replace_optimizer(torch.optim.Adam(model.parameters()), model=model, **knobs)
     with pytest.raises(ConfigError, match=rf"^model\.optimizer='SGD': {allowed}$"):
-        replace_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+        replace_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **knobs)
     with pytest.raises(ConfigError, match="model.optimizer='SGD'"):  # one group without momentum is enough
         replace_optimizer(torch.optim.SGD([{"params": model.stem.parameters(), "momentum": 0.0},
-                                           {"params": model.head.parameters()}], lr=0.1, momentum=0.9), model=model)
+                                           {"params": model.head.parameters()}], lr=0.1, momentum=0.9), model=model,
+                          **knobs)
 
 
 def test_state_dict_round_trips():
     assert_state_dict_round_trips(
         lambda model: replace_optimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model=model,
-                                        lars_coeff=0.02, exclude_from_weight_decay=["bias"]),
-        blank=lambda params: LARS(params, lr=1.0, momentum=0.1, lars_coeff=1.0),
+                                        **asdict(LarsConfig(lars_coeff=0.02, exclude_from_weight_decay=["bias"]))),
+        blank=lambda params: LARS(params, lr=1.0, momentum=0.1, lars_coeff=1.0, lars_weight_decay=1.0, epsilon=1.0),
         loaded=lambda state: "momentum_buffer" in state)
 
 
 def test_float16_overflow_steps_leave_params_and_state_untouched():
-    model = ReplacedOptimizerMLP(replace_optimizer, lars_coeff=0.05, exclude_from_weight_decay=["bias"])
+    model = ReplacedOptimizerMLP(replace_optimizer, **asdict(LarsConfig(lars_coeff=0.05,
+                                                                       exclude_from_weight_decay=["bias"])))
     assert isinstance(fit_float16_with_overflows(model), LARS)
 
 
 def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     ranks = run_ddp_fit("""
+        from dataclasses import asdict
+
         from optimizer_checks import fit_ddp_rank
         from plugins.lars import replace_optimizer
+        from runner.strategies.lars import LarsConfig
 
         # the MLP's default optimizer: SGD(lr=0.1, momentum=0.9)
-        fit_ddp_rank(replace_optimizer, lars_coeff=0.05, exclude_from_weight_decay=["bias", "net.0"])
+        fit_ddp_rank(replace_optimizer,
+                     **asdict(LarsConfig(lars_coeff=0.05, exclude_from_weight_decay=["bias", "net.0"])))
     """, tmp_path)
     assert [r["optimizer"] for r in ranks] == ["LARS", "LARS"]
     assert len(ranks[0]["state"]["state"]) == len(ranks[0]["params"])  # a momentum buffer for every parameter

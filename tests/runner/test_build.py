@@ -1,11 +1,20 @@
-"""Build: optimizer replacement in every form `configure_optimizers` may return."""
+"""Build: optimizer replacement in every form `configure_optimizers` may return; build carries out
+the plan and adds nothing it does not name."""
 from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
 
 import pytest
 import torch
 
-from runner.rank.build import replace_optimizers
+from plugins.collective import CollectiveSetup
+from plugins.resume import EpochEndPosition, RandomStates
+from runner.config.checks import plan_for
 from runner.models import MLPClassifier
+from runner.rank.build import build, replace_optimizers
+from runner.rank.measure import RunMeter
+from runner.rank.preemption import Preemption
 
 
 def replaced_by_adam(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -39,3 +48,27 @@ def test_every_optimizer_is_replaced_and_schedulers_follow(kind, monkeypatch):
         optimizer.step()
         scheduler.step()
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+LIGHTFLEETS_CALLBACKS = {CollectiveSetup, RunMeter, Preemption, RandomStates, EpochEndPosition}
+COLLECTIVE = ["trainer.accelerator=cpu", "trainer.devices=2", "collective.timeout_s=30", "collective.fuse_grad_size_in_MB=8",
+              "collective.build_strategy.fuse_all_optimizer_ops=true", "collective.execution_strategy.num_threads=2"]
+
+
+def test_build_applies_what_the_plan_names_and_nothing_else(spec_for, tmp_path):
+    spec = spec_for(*COLLECTIVE, f"paths.output_dir={tmp_path}", "logger=none")
+    plan = plan_for(spec)
+    built = build(spec.cfg, plan, tmp_path)
+    assert LIGHTFLEETS_CALLBACKS <= {type(callback) for callback in built.trainer.callbacks}
+    assert built.meter in built.trainer.callbacks
+    strategy = built.trainer.strategy
+    assert (strategy._timeout, strategy._ddp_kwargs["bucket_cap_mb"]) == (timedelta(seconds=30), 8.0)
+    assert built.model.configure_optimizers().param_groups[0]["foreach"] is True
+
+    bare = dataclasses.replace(plan, callbacks=[], optimizer_transforms=[], lightning_strategy_args={})
+    built = build(spec.cfg, bare, tmp_path)
+    assert not LIGHTFLEETS_CALLBACKS & {type(callback) for callback in built.trainer.callbacks}
+    assert built.meter is None
+    strategy = built.trainer.strategy
+    assert strategy._timeout != timedelta(seconds=30) and "bucket_cap_mb" not in strategy._ddp_kwargs
+    assert not built.model.configure_optimizers().param_groups[0]["foreach"]

@@ -15,10 +15,14 @@ from omegaconf import OmegaConf
 from runner import strategies
 from runner.config.compat import EXPERIMENTS_DIR
 from runner.config.compose import compose_config
-from runner.config.checks import plan_for, validate
+from runner.command import preflight
+from runner.config.checks import validate
 from runner.core.errors import Refusal
-from runner.fleet.prototxt import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, RENAMED, collective_fields, configured_strategy,
-                          knob_of, main, run_command, shortest_float32, strategy_class)
+from runner.fleet.cli import main
+from runner.fleet.import_fleet import run_command
+from runner.fleet.mapping import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, RENAMED, collective_fields, configured_strategy,
+                                  knob_of)
+from runner.fleet.message import shortest_float32, strategy_class
 from runner.strategies.amp import AmpConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -212,7 +216,7 @@ def test_the_marked_forbidden_combination_composes_and_is_refused_when_run(tmp_p
     spec = validate(cfg)
     assert list(spec.strategies) == ["lamb", "lars"] and spec.strategies["lars"].lars_coeff == 0.002
     with pytest.raises(Refusal, match="lamb\\+lars is not an allowed combination"):
-        plan_for(spec)
+        preflight.table(preflight.Flight(cfg, spec))
 
 
 def test_unknown_fields_are_warned_and_the_rest_imported(tmp_path, capsys):

@@ -1,19 +1,25 @@
-"""The plan: slots, phase order, conflicts, and its printed form."""
+"""The plan: slots, phase order, conflicts, and its printed form; lightfleet's own contributions
+(the collective knobs', the runner's callbacks) in it, as `plan_for` makes it for the command."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
+from runner.config.checks import plan_for
+from runner.config.collective import BuildStrategyConfig, CollectiveConfig, ExecutionStrategyConfig
 from runner.core.contribution import Component, Contribution
 from runner.core.errors import ConfigError, Refusal
-from runner.core.plan import PHASES, Plan, format_plan, make_plan
+from runner.core.plan import AFTER_USER, PHASES, Plan, format_plan, make_plan
 from runner.config.schema import TrainerConfig
 from runner.strategies.amp import AmpConfig
 from runner.strategies.gradient_merge import GradientMergeConfig
 from runner.strategies.pipeline import PipelineConfig
 from runner.strategies.recompute import RecomputeConfig
 from runner.strategies.sharding import ShardingConfig
+
+
+COMPILING = CollectiveConfig(build_strategy=BuildStrategyConfig(fuse_elewise_add_act_ops=True))
 
 
 @dataclasses.dataclass
@@ -154,16 +160,18 @@ def test_a_communication_hook_needs_a_lightning_strategy_that_takes_one():
 
 
 def test_model_transforms_only_in_declared_phases():
-    stray = Contribution(model_transforms=[("compile", Component("x:y"))])
-    with pytest.raises(Refusal, match=r"^strategy a adds a model transform in phase 'compile'; phases: precision, "):
+    stray = Contribution(model_transforms=[("quantize", Component("x:y"))])
+    with pytest.raises(Refusal, match=r"^strategy a adds a model transform in phase 'quantize'; phases: precision, "):
         make_plan({"a": Claims(stray)}, TrainerConfig())
 
 
 def test_every_declared_phase_is_used_in_its_order():
     plan = make_plan({"amp": AmpConfig(custom_white_list=["Linear"]), "recompute": RecomputeConfig(),
-                      "sharding": ShardingConfig(stage=2, mp_degree=2)}, TrainerConfig(devices=2))
+                      "sharding": ShardingConfig(stage=2, mp_degree=2)}, TrainerConfig(devices=2),
+                     lightfleet={"collective": COMPILING.contribute})
     pipelined = make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=2), 32)
-    assert [c.phase for c in plan.model_transforms] == ["precision", "tensor_parallel", "recompute", "sharding"]
+    assert [c.phase for c in plan.model_transforms] == ["precision", "tensor_parallel", "recompute", "sharding",
+                                                        "compile"]
     assert [c.phase for c in pipelined.model_transforms] == ["pipeline"]
     assert set(PHASES) == {c.phase for c in plan.model_transforms + pipelined.model_transforms}
 
@@ -171,7 +179,111 @@ def test_every_declared_phase_is_used_in_its_order():
 def test_the_saved_plan_reads_back_as_the_same_plan():
     import yaml
 
+    collective = CollectiveConfig(timeout_s=60, execution_strategy=ExecutionStrategyConfig(num_threads=2),
+                                  build_strategy=BuildStrategyConfig(fuse_bn_act_ops=True, fuse_all_optimizer_ops=True))
     plan = make_plan({"amp": AmpConfig(custom_black_list=["head"]), "recompute": RecomputeConfig(),
-                      "pipeline": PipelineConfig(), "sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4), 32)
+                      "pipeline": PipelineConfig(), "sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4), 32,
+                     lightfleet={"collective": collective.contribute})
+    assert plan.lightning_strategy_args and plan.optimizer_transforms and plan.callbacks[0].phase == AFTER_USER
     saved = yaml.safe_load(yaml.safe_dump({"printed": format_plan(plan).splitlines(), **plan.to_dict()}))
     assert Plan.from_dict(saved) == plan
+
+
+# --------------------------------------------------------------------------- lightfleet's own contributions
+
+RUNNER_CALLBACKS = ["runner.rank.measure:RunMeter", "runner.rank.preemption:Preemption", "plugins.resume:RandomStates",
+                    "plugins.resume:EpochEndPosition"]
+EVERY_COLLECTIVE_MECHANISM = ["trainer.devices=2", "collective.build_strategy.fuse_bn_act_ops=true",
+                              "collective.build_strategy.fuse_all_optimizer_ops=true", "collective.fuse_grad_size_in_MB=8",
+                              "collective.find_unused_parameters=true", "collective.timeout_s=30",
+                              "collective.execution_strategy.num_threads=2", "collective.cudnn_exhaustive_search=true"]
+
+
+def test_the_plan_names_compile_foreach_ddp_arguments_the_timeout_and_the_runners_callbacks(spec_for):
+    """What dry_run=true prints and plan.yaml holds: everything build applies, with who asked."""
+    plan = plan_for(spec_for(*EVERY_COLLECTIVE_MECHANISM))
+    printed = format_plan(plan).splitlines()
+    for line in ["lightning strategy: plugins.ddp:build_ddp()  <- lightfleet",
+                 "  bucket_cap_mb=8.0  <- collective", "  find_unused_parameters=True  <- collective",
+                 "  timeout_s=30.0  <- collective",
+                 "optimizer transforms (in order, after any replacement):",
+                 "  plugins.collective:use_foreach()  <- collective",
+                 "  1. [compile] plugins.collective:compile_model()  <- collective",
+                 "  benchmark=True  <- collective",
+                 "  (the config's callbacks.*)",
+                 "  plugins.collective:CollectiveSetup(num_threads=2, gpu_memory_fraction=None, "
+                 "cudnn_exhaustive_search=True, sync_batch_norm=False)  <- collective",
+                 "  runner.rank.measure:RunMeter(warmup_steps=5)  <- lightfleet",
+                 *(f"  {target}()  <- lightfleet" for target in RUNNER_CALLBACKS[1:])]:
+        assert line in printed, line
+    saved = plan.to_dict()
+    assert saved["lightning_strategy_args"] == {"bucket_cap_mb": {"value": 8.0, "by": "collective"},
+                                                "find_unused_parameters": {"value": True, "by": "collective"},
+                                                "timeout_s": {"value": 30.0, "by": "collective"}}
+    assert [(c["by"], c["component"]["target"]) for c in saved["optimizer_transforms"]] == [
+        ("collective", "plugins.collective:use_foreach")]
+    assert [(c["by"], c["phase"], c["component"]["target"]) for c in saved["model_transforms"]] == [
+        ("collective", "compile", "plugins.collective:compile_model")]
+    assert [(c["by"], c["phase"], c["component"]["target"]) for c in saved["callbacks"]] == [
+        ("collective", AFTER_USER, "plugins.collective:CollectiveSetup"),
+        *(("lightfleet", AFTER_USER, target) for target in RUNNER_CALLBACKS)]
+
+
+def test_at_the_defaults_lightfleet_adds_its_callbacks_and_lightfleet_ddp_its_buckets(spec_for):
+    alone = plan_for(spec_for())
+    assert (alone.lightning_strategy, alone.lightning_strategy_args, alone.model_transforms, alone.optimizer_transforms,
+            alone.trainer_args) == (None, {}, [], [], {})
+    assert [c.component.target for c in alone.callbacks] == RUNNER_CALLBACKS
+    unmeasured = plan_for(spec_for("measure.enabled=false", "measure.warmup_steps=2"))
+    assert [c.component.target for c in unmeasured.callbacks] == RUNNER_CALLBACKS[1:]
+    two = plan_for(spec_for("trainer.devices=2"))
+    assert {arg: claim["value"] for arg, claim in two.lightning_strategy_args.items()} == {
+        "bucket_cap_mb": 32.0, "find_unused_parameters": False}
+    assert plan_for(spec_for("trainer.devices=2", "collective.fuse_all_reduce_ops=false")) \
+        .lightning_strategy_args["bucket_cap_mb"]["value"] == 0.001
+
+
+@pytest.mark.parametrize("strategy", ["sharding", "pipeline"])
+def test_the_timeout_reaches_every_lightning_strategy_and_ddp_arguments_only_lightfleets_ddp(spec_for, strategy):
+    plan = plan_for(spec_for(f"strategy=[{strategy}]", "trainer.devices=2", "collective.timeout_s=5",
+                             "collective.find_unused_parameters=true"))
+    assert plan.lightning_strategy.by == strategy
+    assert plan.lightning_strategy_args == {"timeout_s": {"value": 5.0, "by": "collective"}}
+    # One process has no process group, hence no Lightning strategy to wait in.
+    assert plan_for(spec_for("collective.timeout_s=5")).lightning_strategy_args == {}
+
+
+def test_lightning_strategy_arguments_are_claimed_once():
+    timeout = Contribution(lightning_strategy_args={"timeout_s": 2.0})
+    own = Contribution(lightning_strategy=Component("x:y", {"timeout_s": 1.0}))
+    with pytest.raises(Refusal, match=r"^a and c both set the Lightning strategy's timeout_s; choose one of them$"):
+        make_plan({"a": Claims(own)}, TrainerConfig(), lightfleet={"c": Claims(timeout).contribute})
+    with pytest.raises(Refusal, match=r"^c sets the Lightning strategy's timeout_s, but the run has none"):
+        make_plan({}, TrainerConfig(), lightfleet={"c": Claims(timeout).contribute})
+
+
+def test_sync_batch_norm_is_a_trainer_argument_on_cuda_and_the_device_is_asked_only_for_it():
+    asked = []
+
+    def cuda_available() -> bool:
+        asked.append(True)
+        return True
+
+    def plan(trainer: TrainerConfig, collective: CollectiveConfig) -> Plan:
+        return make_plan({}, trainer, lightfleet={"collective": collective.contribute}, cuda_available=cuda_available)
+
+    assert plan(TrainerConfig(), CollectiveConfig()).trainer_args == {} and not asked
+    assert plan(TrainerConfig(), CollectiveConfig(sync_batch_norm=True)).trainer_args == {
+        "sync_batchnorm": {"value": True, "by": "collective"}} and asked
+    on_cpu = plan(TrainerConfig(accelerator="cpu"), CollectiveConfig(sync_batch_norm=True))
+    assert on_cpu.trainer_args == {}  # DDP refuses SyncBatchNorm on CPU: the rank says so, once
+    assert on_cpu.callbacks[0].component.kwargs["sync_batch_norm"] is True
+
+
+def test_cudnn_exhaustive_search_against_trainer_benchmark_false_is_refused_by_the_plan(spec_for):
+    with pytest.raises(ConfigError, match=r"^collective.cudnn_exhaustive_search=True: trainer.benchmark=false says "
+                                          r"the opposite; set only one of them$"):
+        plan_for(spec_for("collective.cudnn_exhaustive_search=true", "trainer.benchmark=false"))
+    for benchmark in ("true", "null"):
+        plan = plan_for(spec_for("collective.cudnn_exhaustive_search=true", f"trainer.benchmark={benchmark}"))
+        assert plan.trainer_args["benchmark"] == {"value": True, "by": "collective"}

@@ -3,7 +3,6 @@ strategy made of its own four files (config, strategy module, plugin, table row)
 built without editing any other file. The plan's rules hold even where the table is wrong."""
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from runner import strategies
 from runner.config.compat import CONF_DIR, PROJECT_ROOT, load_table
 
 
-def test_registry_config_files_table_and_knob_reference_agree():
+def test_registry_config_files_table_and_knob_reference_agree(spec_for):
     names = set(strategies.names())
     assert names == {path.stem for path in (CONF_DIR / "strategy").glob("*.yaml")}
     assert names == set(strategies.schemas())
@@ -27,9 +26,9 @@ def test_registry_config_files_table_and_knob_reference_agree():
     knobs = (PROJECT_ROOT / "docs" / "knobs.md").read_text()
     assert {line.split("`")[1].removeprefix("strategy.") for line in knobs.splitlines()
             if line.startswith("## `strategy.")} == names
-    for name, schema in strategies.schemas().items():  # each config file holds its schema's knobs
-        assert set(yaml.safe_load((CONF_DIR / "strategy" / f"{name}.yaml").read_text())[name]) == \
-            {field.name for field in dataclasses.fields(schema)}, name
+    for name, schema in strategies.schemas().items():  # each config file selects its schema and gets its defaults
+        assert set(yaml.safe_load((CONF_DIR / "strategy" / f"{name}.yaml").read_text())) == {name}
+        assert spec_for(f"strategy=[{name}]").strategies[name] == schema(), name
 
 
 def test_a_table_naming_no_strategy_is_an_error(tmp_path):
@@ -59,8 +58,7 @@ def project_copy(tmp_path: Path):
 THROWAWAY = {
     "conf/strategy/throwaway.yaml": """
         # A strategy defined by a test: counts optimizer steps into a file.
-        throwaway:
-          label: default
+        throwaway: {}
         """,
     "runner/strategies/throwaway.py": '''
         """throwaway: a strategy written by a test; carried out by plugins/throwaway.py."""

@@ -10,7 +10,10 @@ from typing import Any, Dict, List, Optional
 import pytest
 import yaml
 
-from runner.records.report import Job, differing_knobs, main, pareto_front, read_loss_curve
+from runner.records.jobs import Job, read_loss_curve
+from runner.records.plots import pareto_front
+from runner.records.report import main
+from runner.records.table import differing_knobs
 
 MEASURES = ["status", "world_size", "step_time_ms", "samples_per_s", "tokens_per_s", "mfu", "speedup",
             "peak_memory_mb", "train_loss", "val_loss", "seed", "git_commit"]

@@ -1,0 +1,228 @@
+"""The preflight: every check a command makes before anything is created, in order.
+
+A refusal is one line and exit status 2 with no directory made and no process started. The
+command runs the stages once per job and keeps what they found (the checked config, the plan,
+the model built on the meta device) for the job: Hydra's task function (runner/command/job.py)
+takes it instead of checking again, and a rank reads the config.yaml and plan.yaml the job saved
+and re-checks nothing. A job the command never saw (one an optimising sweeper such as Optuna
+chooses, or one a launcher runs in another process) runs the job stages itself.
+
+`STAGES` is the list, in order; docs/preflight.md is generated from it (`python -m
+runner.command.preflight`), and tests/runner/test_preflight.py checks that it is current.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from runner.config.compat import check, load_table, strategies_from_argv
+from runner.core.plan import Plan
+from runner.core.world import World, check_multi_node
+
+# The command imports this module before it knows the run is allowed: what the job stages need
+# (Hydra, torch, the user's code) is imported by each stage when it runs.
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from runner.config.checks import RunSpec
+
+
+@dataclass
+class Flight:
+    """What the job stages have found so far."""
+
+    cfg: "DictConfig"  # the job's composed config, without Hydra's node
+    spec: Optional["RunSpec"] = None
+    plan: Optional[Plan] = None
+    model: Any = None  # the user's model built on the meta device (None: its constructor needs real tensors)
+    model_builds: int = 0  # how often this job built the model on the meta device (tests count it)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    refuses: str  # what it checks, for docs/preflight.md
+    run: Callable[..., Any]
+    per_job: bool = True  # runs on each job's Flight; else the command runs it (runner/command/cli.py)
+
+
+def command_line(args: Sequence[str]) -> None:
+    """The first stage: a plain `strategy=[...]` on the command line (not a sweep, not a flag that
+    only shows something) wins over any experiment's, so it is decided at once."""
+    selected = strategies_from_argv(args)
+    if selected is not None:
+        check(selected, load_table())
+
+
+def compose(overrides: Sequence[str], config_dir: Optional[str], config_name: str, multirun: bool = False) -> "DictConfig":
+    """Hydra's composition, as the job will get it (with Hydra's own node)."""
+    from hydra.types import RunMode
+
+    from runner.config.compose import compose_config
+
+    return compose_config(overrides, config_dir, config_name, RunMode.MULTIRUN if multirun else RunMode.RUN,
+                          with_hydra=True)
+
+
+def schema_and_ranges(flight: Flight) -> None:
+    from runner.config.checks import check_schema
+
+    flight.spec = check_schema(flight.cfg)
+
+
+def cross_field_rules(flight: Flight) -> None:
+    from runner.config.checks import apply_cross_field_rules
+
+    apply_cross_field_rules(flight.spec)
+
+
+def table(flight: Flight) -> None:
+    check(list(flight.spec.strategies), load_table())
+
+
+def plan(flight: Flight) -> None:
+    from runner.config.checks import plan_for
+
+    flight.plan = plan_for(flight.spec)
+
+
+def world_and_devices(flight: Flight) -> None:
+    from runner.command.launch import check_devices
+
+    world = World(**flight.plan.world)
+    check_multi_node(world)
+    check_devices(flight.spec.trainer, world)
+
+
+def targets(flight: Flight) -> None:
+    from runner.config.arguments import check_arguments, check_builds
+    from runner.config.checks import resolved
+
+    run = resolved(flight.spec.cfg)
+    check_arguments("model", run["model"])
+    check_arguments("data", run["data"])
+    for group in ("callbacks", "logger"):
+        for name, node in (run.get(group) or {}).items():
+            if node:
+                check_arguments(f"{group}.{name}", node)
+    flight.model = check_builds(run["model"], run["data"])
+    flight.model_builds += 1
+
+
+def plan_on_the_model(flight: Flight) -> None:
+    from runner.rank.build import check_plan_on_model
+
+    if flight.model is not None:
+        check_plan_on_model(flight.model, flight.plan)
+
+
+def checkpoint(flight: Flight) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from runner.records.run_dir import find_checkpoint
+
+    run = flight.spec.cfg
+    if run.ckpt_path is not None:  # relative to where the command ran, also after hydra.job.chdir
+        run.ckpt_path = find_checkpoint(run.ckpt_path, run.paths.root_dir, Path(HydraConfig.get().runtime.cwd))
+
+
+def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:
+    """The last stage of a run: its directory (hydra.run.dir), and the subdirectory this copy of the
+    command records into (a second node's, or an externally launched rank's)."""
+    from runner.records.run_dir import records_subdir, reserve_dir
+
+    subdir = records_subdir(World(**plan.world))
+    return reserve_dir(cfg, "hydra.run.dir", "paths.output_dir", subdir), subdir
+
+
+def sweep_directory(cfg: "DictConfig") -> Path:
+    """The last stage of a sweep: its directory (hydra.sweep.dir)."""
+    from runner.records.run_dir import reserve_dir
+
+    return reserve_dir(cfg, "hydra.sweep.dir", "paths.sweep_dir")
+
+
+STAGES = (
+    Stage("table, from the command line",
+          "a plain `strategy=[...]` on the command line against conf/compat.yaml, before Hydra or torch "
+          "is imported (a forbidden combination costs a fraction of a second)", command_line, per_job=False),
+    Stage("compose",
+          "Hydra composes conf/, experiments/ and --config-dir with the overrides: unknown groups, options "
+          "and keys (with \"did you mean\"), malformed overrides, flags; for a sweep, every job of a basic sweep",
+          compose, per_job=False),
+    Stage("schema and ranges", "every value against the schema's type, every knob against its range (the "
+          "strategy's dataclass in runner/strategies/, runner/config/schema.py), every number finite",
+          schema_and_ranges),
+    Stage("cross-field rules", "parameter_server.mode=geo becomes localsgd, the two-level allreduce sets hybrid "
+          "sharding's degrees (each against an explicit setting), evaluate needs ckpt_path, test excludes the "
+          "pipeline", cross_field_rules),
+    Stage("table", "the selected strategies (also an experiment's, or geo's localsgd) against conf/compat.yaml",
+          table),
+    Stage("plan", "the strategies' contributions combined: one claim per exclusive slot, trainer arguments "
+          "against the user's, degrees against the world size, the collective knobs against the trainer", plan),
+    Stage("world and devices", "multi-node rendezvous variables; devices this machine has (GPU count and ids, "
+          "device ids on CPU)", world_and_devices),
+    Stage("targets and the model on the meta device", "every `_target_` node's arguments against its "
+          "constructor (names, required ones, types); the model built on the meta device and the data module "
+          "built, once, so their constructors' refusals stop the command", targets),
+    Stage("the plan on the model", "the plan's model transforms (module names of recompute and amp, pipeline "
+          "split points) and its optimizer replacement (the optimizer family lars, lamb and dgc need) on the "
+          "meta-device model", plan_on_the_model),
+    Stage("checkpoint", "ckpt_path exists (`last`: the newest last.ckpt under paths.root_dir)", checkpoint),
+    Stage("directories", "the run or sweep directory: writable, not a file, not inside a run, not holding a "
+          "run or sweep; reserved (a clock-named one taken gets a suffix)", run_directory, per_job=False),
+)
+# What only a rank can know, checked there (a failure ends the run with the rank's one line).
+RANK_ONLY = (
+    "what needs the process group: how many split points each pipeline stage takes, DDP/FSDP wrapping, "
+    "the communication hooks' state (dgc)",
+    "the loggers' packages and the callbacks, instantiated in each rank",
+    "the user's code itself: forward, loss, data loading",
+)
+JOB_STAGES = tuple(stage for stage in STAGES if stage.per_job)
+
+# Jobs the command has checked, by their overrides (Hydra's task overrides: no hydra.* key), for
+# the job to take; a job takes its entry once.
+_checked: Dict[Tuple[str, ...], Flight] = {}
+
+
+def job_overrides(overrides: Sequence[str]) -> Tuple[str, ...]:
+    """The overrides as Hydra hands them to the job (hydra.overrides.task): without hydra.* keys."""
+    return tuple(o for o in overrides if not o.lstrip("+~").startswith("hydra"))
+
+
+def check_job(cfg: "DictConfig", overrides: Optional[Sequence[str]] = None) -> Flight:
+    """Run the job stages on `cfg` (composed, without Hydra's node; HydraConfig set, so that
+    `${hydra:...}` resolves); with `overrides`, keep the result for the job of those overrides."""
+    flight = Flight(cfg)
+    for stage in JOB_STAGES:
+        stage.run(flight)
+    if overrides is not None:
+        _checked[job_overrides(overrides)] = flight
+    return flight
+
+
+def checked_job(cfg: "DictConfig", overrides: Sequence[str]) -> Flight:
+    """The job's preflight: the command's, when it checked this job in this process; else run now."""
+    return _checked.pop(job_overrides(overrides), None) or check_job(cfg)
+
+
+def document() -> str:
+    """docs/preflight.md."""
+    lines = ["# What lightfleet checks before anything starts", "",
+             "Generated by `python -m runner.command.preflight` from `runner/command/preflight.py`. Every check",
+             "below runs in the command, in this order, before any directory is made or any process started;",
+             "a refusal is one line naming the key, the value and what is allowed, with exit status 2.", ""]
+    lines += [f"{number}. **{stage.name}**: {stage.refuses}." for number, stage in enumerate(STAGES, 1)]
+    lines += ["", "What only a rank can know is checked there:", ""]
+    lines += [f"- {item}." for item in RANK_ONLY]
+    return "\n".join(lines) + "\n"
+
+
+def stage_names() -> List[str]:
+    return [stage.name for stage in STAGES]
+
+
+if __name__ == "__main__":
+    print(document(), end="")

@@ -1,0 +1,92 @@
+"""The run directory's files, named here only (a test holds runner/ and plugins/ to that), and how a
+job ended: the one vocabulary of outcomes that failure.yaml, sweep.yaml, the report and auto's
+trials share. Pure: no torch, Lightning, Hydra or OmegaConf (`lightfleet report` and the Fleet
+commands read these).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Union
+
+import yaml
+
+# A run directory's, made by the command (runner/records/run_dir.py) and filled by the ranks.
+CONFIG_YAML = "config.yaml"  # the resolved config: every rank reads it; reproducible from it alone
+PLAN_YAML = "plan.yaml"  # the plan every rank carries out (its printed form, then its data)
+ENV_YAML = "env.yaml"  # command, versions, git commit, host
+BUILD_YAML = "build.yaml"  # what build resolved (e.g. the modules recompute wrapped)
+RESULTS_YAML = "results.yaml"  # final metrics and measurements, by rank 0 when the run finished
+FAILURE_YAML = "failure.yaml"  # how a run that did not finish ended: status (an outcome), exit_code, error
+REFUSED_YAML = "refused.yaml"  # why a sweep's job never started: its overrides and the reason (alone in its directory)
+METRICS_CSV = "csv/metrics.csv"  # the CSV logger's (conf/logger/csv.yaml)
+LAST_CHECKPOINT = "checkpoints/last.ckpt"  # ModelCheckpoint's save_last (conf/callbacks/model_checkpoint.yaml)
+LOGS_DIR = "logs"  # torchelastic's per-rank stdout/stderr, and the ranks' tracebacks
+NODES_DIR = "nodes"  # nodes/<NODE_RANK>/: a second node's copy of the command keeps its records there
+RANKS_DIR = "ranks"  # ranks/<RANK>/: the same for a rank launched by torchrun or SLURM
+FLEET_PROTOTXT = "fleet_strategy.prototxt"  # `lightfleet export-fleet RUN_DIR`'s default
+AUTO_DIR = "auto"  # strategy=[auto]'s choice; a sweep directory whose jobs are the trials
+CANDIDATES_CSV = "candidates.csv"
+CHOICE_YAML = "choice.yaml"
+TRIALS_DIR = "trials"  # trials/<k>/: a run directory each
+TRIAL_LOG = "trial.log"
+# A sweep directory's (auto/ is one too: its trials are its jobs).
+MULTIRUN_YAML = "multirun.yaml"  # Hydra's
+HYDRA_OVERRIDES = ".hydra/overrides.yaml"  # Hydra's, in each job directory
+SWEEP_YAML = "sweep.yaml"
+# `lightfleet report`'s, in the one run or sweep directory it covers (or --out).
+REPORT_CSV = "report.csv"
+REPORT_MD = "report.md"
+THROUGHPUT_PNG = "throughput.png"
+THROUGHPUT_MEMORY_PNG = "throughput_memory.png"
+LOSS_CURVES_PNG = "loss_curves.png"
+
+# How a job ended: failure.yaml's and sweep.yaml's status.
+FINISHED = "finished"
+FAILED = "failed"
+OUT_OF_MEMORY = "out_of_memory"  # told apart from failed: the cure differs
+REFUSED = "refused"  # never started: the table or a check refused it
+PREEMPTED = "preempted"  # stopped by a signal after saving LAST_CHECKPOINT: resume it
+OUTCOMES = (FINISHED, FAILED, OUT_OF_MEMORY, REFUSED, PREEMPTED)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a job directory ended, and the record that says so."""
+
+    outcome: str  # one of OUTCOMES
+    # results.yaml's figures, failure.yaml's status, exit_code and error, or refused.yaml's overrides
+    # and reason; empty when no file says how it ended (killed, or still running: FAILED)
+    record: Dict[str, Any] = field(default_factory=dict)
+
+
+def job_ending(job_dir: Path) -> Ending:
+    """How the job in `job_dir` ended: refused.yaml, results.yaml, failure.yaml, in that order."""
+    for name, outcome in ((REFUSED_YAML, REFUSED), (RESULTS_YAML, FINISHED), (FAILURE_YAML, None)):
+        record = read_yaml(job_dir / name)
+        if record is not None:
+            return Ending(outcome or record.get("status", FAILED), record)
+    return Ending(FAILED)
+
+
+def failure_outcome(error: str, otherwise: str = FAILED) -> str:
+    """The outcome of a run that ended with `error`: out of memory is told apart."""
+    return OUT_OF_MEMORY if "out of memory" in error.lower() else otherwise
+
+
+def holds_run(path: Path) -> bool:
+    return (path / CONFIG_YAML).is_file()
+
+
+def holds_sweep(path: Path) -> bool:
+    return (path / MULTIRUN_YAML).is_file() or (path / SWEEP_YAML).is_file()
+
+
+def rank_traceback(rank: Union[int, str]) -> str:
+    """Where in the run directory rank `rank` writes the traceback of its failure."""
+    return f"{LOGS_DIR}/traceback.rank{rank}.txt"
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML file at `path`; None when there is none."""
+    return yaml.safe_load(path.read_text()) if path.is_file() else None

@@ -1,0 +1,83 @@
+"""`lightfleet report`'s plots: throughput by job, throughput against peak memory with the Pareto
+front, and the training loss curves. matplotlib is imported when they are drawn, not before."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+from runner.records.files import LOSS_CURVES_PNG, THROUGHPUT_MEMORY_PNG, THROUGHPUT_PNG
+from runner.records.jobs import Job
+from runner.records.table import by_throughput
+
+NO_THROUGHPUT = "no finished job reports samples/s"
+
+
+def pareto_front(points: Dict[str, Tuple[float, float]]) -> List[str]:
+    """The names of {name: (peak_memory_mb, samples_per_s)} that no other point dominates (as
+    fast or faster with no more memory, and better in one of the two), by increasing memory."""
+    def dominated(memory: float, speed: float) -> bool:
+        return any(other_speed >= speed and other_memory <= memory and (other_speed, other_memory) != (speed, memory)
+                   for other_memory, other_speed in points.values())
+
+    return sorted((name for name, point in points.items() if not dominated(*point)), key=lambda name: points[name])
+
+
+def write_plots(jobs: Sequence[Job], out: Path) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: works without a display
+    import matplotlib.pyplot as plt
+
+    written = []
+    for filename, draw in ((THROUGHPUT_PNG, draw_throughput), (THROUGHPUT_MEMORY_PNG, draw_throughput_memory),
+                           (LOSS_CURVES_PNG, draw_loss_curves)):
+        figure, axes = plt.subplots(figsize=(9, max(4.5, 0.35 * len(jobs) + 1.5)))
+        draw(axes, jobs)
+        with warnings.catch_warnings():  # long labels: the figure is still readable without a tight fit
+            warnings.simplefilter("ignore", UserWarning)
+            figure.tight_layout()
+        figure.savefig(out / filename, dpi=100)
+        plt.close(figure)
+        written.append(out / filename)
+    return written
+
+
+def draw_throughput(axes: Any, jobs: Sequence[Job]) -> None:
+    measured = [job for job in by_throughput(jobs) if job.finished and job.samples_per_s is not None]
+    axes.set(title="Throughput by job", xlabel="throughput (samples/s)")
+    if not measured:
+        return note(axes, NO_THROUGHPUT)
+    measured.reverse()  # barh draws from the bottom: the fastest on top
+    bars = axes.barh([job.label for job in measured], [job.samples_per_s for job in measured])
+    axes.bar_label(bars, fmt="%.3g", padding=3)
+
+
+def draw_throughput_memory(axes: Any, jobs: Sequence[Job]) -> None:
+    measured = {job.label: (job.results["peak_memory_mb"], job.samples_per_s) for job in jobs
+                if job.finished and job.samples_per_s is not None and job.results.get("peak_memory_mb") is not None}
+    axes.set(title="Throughput against peak memory", xlabel="peak memory, max over ranks (MB)",
+             ylabel="throughput (samples/s)")
+    if not measured:
+        return note(axes, f"{NO_THROUGHPUT} and peak memory")
+    axes.scatter(*zip(*measured.values()), label="job")
+    for label, point in measured.items():
+        axes.annotate(label, point, textcoords="offset points", xytext=(5, 5), fontsize=8)
+    front = pareto_front(measured)
+    axes.plot(*zip(*(measured[label] for label in front)), color="C3", marker="o", markersize=11,
+              fillstyle="none", label="Pareto front (no job faster with no more memory)")
+    axes.legend(fontsize=8)
+
+
+def draw_loss_curves(axes: Any, jobs: Sequence[Job]) -> None:
+    axes.set(title="Training loss", xlabel="step (optimizer steps)", ylabel="train_loss")
+    logged = [job for job in jobs if job.loss_curve]
+    if not logged:
+        return note(axes, "no job logged train_loss" + ("" if any(job.finished for job in jobs) else ": no finished job"))
+    for job in logged:
+        axes.plot(*zip(*job.loss_curve), label=job.label)
+    axes.legend(fontsize=8)
+
+
+def note(axes: Any, text: str) -> None:
+    axes.text(0.5, 0.5, text, ha="center", va="center", transform=axes.transAxes)
