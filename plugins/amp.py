@@ -18,7 +18,7 @@ from pytorch_lightning.plugins.precision import MixedPrecision
 from torch import nn
 from typing_extensions import override
 
-from plugins.modules import match_modules
+from plugins.modules import child_name, float_buffer_modules, match_modules
 from plugins.transforms import ModelContext
 from runner.core.errors import ConfigError
 
@@ -175,8 +175,9 @@ def apply_precision_lists(
     qualified names. Inside a listed module autocast is off, floating inputs and parameters are
     cast to the module's dtype (the casts are differentiable, so gradients reach the float32
     parameters) and buffers are left as they are (a cast copy would lose in-place updates such
-    as batch-norm running statistics). Only `forward` is replaced, so `state_dict()` keys do not
-    change. Returns the sorted qualified names of the modules changed.
+    as batch-norm running statistics), and so are the parameters of a module holding floating
+    buffers. Only `forward` is replaced, so `state_dict()` keys do not change. Returns the sorted
+    qualified names of the modules changed.
     """
     white = match_modules(context.model, custom_white_list, "strategy.amp.custom_white_list")
     black = match_modules(context.model, custom_black_list, "strategy.amp.custom_black_list")
@@ -218,8 +219,14 @@ def _force_dtype(module: nn.Module, device_type: str, dtype: torch.dtype) -> Non
     def cast(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
+    # Batch norm takes half inputs beside float32 weights and running statistics (as Paddle's
+    # batch_norm does), but refuses half weights beside float32 statistics.
+    beside_buffers = {child_name(name, parameter_name) for name, sub in float_buffer_modules(module).items()
+                      for parameter_name, _ in sub.named_parameters(recurse=False)}
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        parameters = {f"module.{name}": cast(parameter) for name, parameter in self.named_parameters()}
+        parameters = {f"module.{name}": parameter if name in beside_buffers else cast(parameter)
+                      for name, parameter in self.named_parameters()}
         args, kwargs = apply_to_collection((args, kwargs), torch.Tensor, cast)
         with torch.autocast(device_type, enabled=False):
             return torch.func.functional_call(_CallWith(self, previous), parameters, args, kwargs)

@@ -41,6 +41,15 @@ def repeated_block_list(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
     return None
 
 
+def float_buffer_modules(root: nn.Module) -> dict[str, nn.Module]:
+    """Modules of `root` ("" names `root` itself) holding both parameters and floating-point
+    buffers of their own, such as batch norm (weights and running statistics): amp leaves their
+    parameters in the buffers' precision, where the module's kernels expect them."""
+    return {name: module for name, module in root.named_modules()
+            if any(True for _ in module.parameters(recurse=False))
+            and any(buffer.is_floating_point() for buffer in module.buffers(recurse=False))}
+
+
 def child_name(parent: str, child: str) -> str:
     """Qualified name of `child` under the module named `parent` ("" for the root)."""
     return f"{parent}.{child}" if parent else child

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from plugins.ddp import FleetDDPStrategy, process_group_timeout
 from plugins.layerwise import NO_WEIGHT_DECAY
+from plugins.modules import float_buffer_modules
 from plugins.transforms import ModelContext
 from runner.core.world import Layout
 
@@ -156,8 +157,8 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     of `shard_units(module, segment_bytes)`, then on `module`. `reshard_after_forward` frees each
     unit's gathered parameters after its forward (ZeRO stage 3) instead of keeping them until its
     backward (stage 2). With `param_dtype`, parameters are gathered in it and gradients reduced in
-    float32; `offload` keeps the shards (parameters, gradients, optimizer states) in host memory.
-    Returns the units."""
+    float32; the `float_buffer_modules` are units of their own, computing in float32. `offload`
+    keeps the shards (parameters, gradients, optimizer states) in host memory. Returns the units."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -165,11 +166,19 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload else OffloadPolicy()
     options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                    offload_policy=offload_policy)
-    units = shard_units(module, segment_bytes)
+    # FSDP casts parameters, not buffers: batch norm would get half weights beside float32
+    # running statistics, which its kernels refuse. Such a module is sharded alone and computes
+    # in float32 (as FSDP1 kept batch norm, and as FSDP2's authors advise), handing its output on
+    # in `param_dtype`, as batch norm under autocast does.
+    kept = [name for name in float_buffer_modules(module) if name] if param_dtype is not None else []
+    float32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=param_dtype)
+    for name in kept:
+        fully_shard(module.get_submodule(name), **{**options, "mp_policy": float32})
+    units = [rest for names in shard_units(module, segment_bytes) if (rest := [n for n in names if n not in kept])]
     for names in units:
         fully_shard([module.get_submodule(name) for name in names], **options)
     fully_shard(module, **options)
-    return units
+    return [[name] for name in kept] + units
 
 
 def shard_parameters(module: nn.Module, context: ModelContext, reshard_after_forward: bool,

@@ -3,7 +3,10 @@ in RUN_DIR (runner/rank/train.py; runner/command/launch.py starts every rank thi
 import sys
 from pathlib import Path
 
-from runner.rank.train import main
+from runner.rank.parent import tie_to_command
 
 if __name__ == "__main__":
+    tie_to_command()  # first, before torch is imported: a command killed now takes its ranks with it
+    from runner.rank.train import main
+
     main(Path(sys.argv[1]))

@@ -36,6 +36,12 @@ BY_HAND = [
     ["name=${now:}"], ["name=${oops}"], ["model.hidden_dim=${data.nope}"], ["trainer.max_steps"], ["=3"],
     ["trainer.max_steps==3"], ["parameter_server.mode=async"],
     ["parameter_server.mode=geo"], ["collective.fuse_grad_size_in_MB=0"], ["seed=abc"], ["ckpt_path=nosuch.ckpt"],
+    # what only constructing the optimizer, Lightning's Trainer or a batch would have refused, in the ranks
+    ["model.optimizer.lr=-1"], ["model.optimizer.lr=abc"], ["model.optimizer.momentum=-0.5"],
+    ["trainer.max_time=1:2"], ["trainer.max_time={hour:1}"], ["trainer.accelerator=mps"], ["trainer.accelerator=tpu"],
+    ["trainer.devices=true"], ["trainer.enable_progress_bar=1"], ["model._target_=torch.nn.Linear"],
+    ["data._target_=runner.models.MLPClassifier"], ["model._target_=collections.OrderedDict"], ["model=gpt"],
+    ["model=resnet"], ["logger=wandb"], ["logger=mlflow"], ["--cgf", "job"], ["-x"], ["--cfg"],
 ]
 
 
@@ -54,7 +60,7 @@ def wrong_values(hint: Any) -> List[str]:
     """Values no knob of this type takes."""
     arms = [arm for arm in typing.get_args(hint) if arm is not type(None)] or [hint]
     if arms == [bool]:
-        return ["maybe"]
+        return ["maybe", "1"]
     if arms == [int]:
         return ["abc", "1.5"]
     if arms == [float]:
@@ -118,6 +124,18 @@ def test_a_bad_run_directory_is_refused_before_anything_is_written(path, tmp_pat
     assert line.startswith(f"lightfleet: error: paths.output_dir='{Path(path) if path.startswith('/') else tmp_path / path}'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done", "taken"]
     assert [p.name for p in (tmp_path / "done").iterdir()] == ["plan.yaml"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["paths.output_dir="], "paths.output_dir=''"),
+    (["-m", "seed=1,2", "paths.sweep_dir="], "paths.sweep_dir=''"),
+    (["callbacks.model_checkpoint.dirpath=taken"], "callbacks.model_checkpoint.dirpath='taken'"),
+])
+def test_a_directory_a_run_cannot_write_is_refused_before_anything_is_written(overrides, key, tmp_path, monkeypatch,
+                                                                             capsys):
+    (tmp_path / "taken").write_text("a file\n")
+    assert refusal(overrides, tmp_path, monkeypatch, capsys).startswith(f"lightfleet: error: {key}")
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
 
 
 def test_the_generated_lines_are_a_few_hundred():

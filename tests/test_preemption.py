@@ -56,6 +56,22 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> Non
         time.sleep(0.1)
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie no one has reaped yet does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list, within: float) -> None:
+    """Wait until none of `pids` runs; fail if one still does `within` seconds from now."""
+    since = time.monotonic()
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() - since < within, f"ranks outlived the command by {within:.0f} s"
+        time.sleep(0.2)
+
+
 def rank_pids(parent: int) -> list:
     """The processes whose parent is `parent` (its ranks)."""
     found = []
@@ -117,8 +133,4 @@ def test_a_killed_command_leaves_no_rank_behind(tmp_path):
     assert len(ranks) == 2
     process.kill()
     process.communicate(timeout=30)
-    killed = time.monotonic()
-    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
-              for pid in ranks):
-        assert time.monotonic() - killed < 30, "ranks outlived the command by 30 s"
-        time.sleep(0.2)
+    wait_gone(ranks, within=30)

@@ -11,13 +11,17 @@ directory the command reserved.
 from __future__ import annotations
 
 import os
+import re
 import sys
+from argparse import ArgumentParser
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NoReturn, Optional, Sequence, Tuple
 
 from runner.command import preflight
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
 from runner.core.clock import mark_start
+from runner.rank.parent import INTERRUPTED, STOPPED
 
 if TYPE_CHECKING:  # Hydra and OmegaConf are imported only once the table allows the run
     from omegaconf import DictConfig
@@ -46,19 +50,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from runner.fleet import cli as fleet
 
         return fleet.main(args)
-    with exit_on_user_error():
-        if args and args[0] in RUN_DIR_COMMANDS:
-            args = from_run_dir(args[0], args[1:])
-        if not {"-m", "--multirun", *SHOW_FLAGS} & set(args):
-            preflight.command_line(args)
-        return run_app(args)
+    try:
+        with exit_on_user_error():
+            if args and args[0] in RUN_DIR_COMMANDS:
+                args = from_run_dir(args[0], args[1:])
+            if not {"-m", "--multirun", *SHOW_FLAGS} & set(args):
+                preflight.command_line(args)
+            return run_app(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a run (a run takes it itself: runner/command/launch.py)
+        print("lightfleet: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def from_run_dir(command: str, args: List[str]) -> List[str]:
     """The Hydra arguments of `replay RUN_DIR` (train again from RUN_DIR's config.yaml), `resume
-    RUN_DIR` (the same, from its checkpoints/last.ckpt) and `eval [RUN_DIR]` (evaluate=true, with
-    RUN_DIR's config and last checkpoint when one is given); overrides follow as usual."""
-    from runner.records.files import CONFIG_YAML, LAST_CHECKPOINT, holds_run
+    RUN_DIR` (the same, from its checkpoints/last.ckpt; a run stopped before its first checkpoint
+    starts again) and `eval [RUN_DIR]` (evaluate=true, with RUN_DIR's config and last checkpoint
+    when one is given); overrides follow as usual."""
+    from runner.records.files import CONFIG_YAML, FINISHED, LAST_CHECKPOINT, holds_run, job_ending
 
     if command == "eval" and not (args and holds_run(Path(args[0]))):
         return [*args, "evaluate=true"]
@@ -73,9 +82,13 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
     start = []
     if command in ("resume", "eval"):
         last = run_dir / LAST_CHECKPOINT
-        if not last.exists():
+        if last.exists():
+            start = [hydra_override("ckpt_path", last)] + (["evaluate=true"] if command == "eval" else [])
+        elif command == "eval" or job_ending(run_dir).outcome == FINISHED:
             raise ConfigError(f"lightfleet {command}", str(run_dir), f"has no {LAST_CHECKPOINT} to start from")
-        start = [hydra_override("ckpt_path", last)] + (["evaluate=true"] if command == "eval" else [])
+        else:  # stopped before its first checkpoint: the resume line it printed (a requeue script's) starts it again
+            print(f"lightfleet: {run_dir} has no {LAST_CHECKPOINT} yet: starting the run again from its config",
+                  file=sys.stderr, flush=True)
     return ["-cn", SAVED_RUN, *start, *args[1:]]
 
 
@@ -93,6 +106,7 @@ def run_app(args: List[str]) -> int:
 
     parser = get_args_parser()
     parser.prog = "lightfleet"
+    parser.error = partial(refuse_flags, parser)
     parsed = parser.parse_args(args)
     parsed.config_dir, parsed.config_path = user_config_dir(parsed.config_dir, parsed.config_path), None
     config_name = parsed.config_name or CONFIG_NAME
@@ -113,13 +127,24 @@ def run_app(args: List[str]) -> int:
         _run_hydra(args=parsed, args_parser=parser, task_function=run_job, config_path=str(CONF_DIR),
                    config_name=config_name)
     except SystemExit as stop:
-        from runner.rank.preemption import PREEMPTED
-
-        if sweep_dir is None or stop.code != PREEMPTED:
+        if sweep_dir is None or stop.code not in STOPPED:
             raise
-        summarize_sweep(sweep_dir)  # a job was preempted: the sweep stops there, its summary says so
-        return PREEMPTED
+        summarize_sweep(sweep_dir)  # a job was preempted or interrupted: the sweep stops there, its summary says so
+        return stop.code
     return summarize_sweep(sweep_dir) if sweep_dir is not None else 0
+
+
+def refuse_flags(parser: ArgumentParser, message: str) -> NoReturn:
+    """argparse's refusal of the command line, as one line (not its usage text): the flag and the
+    flags there are."""
+    flags = sorted({flag for action in parser._actions for flag in action.option_strings})
+    unknown = re.match(r"unrecognized arguments: (\S+)", message)
+    if unknown and not unknown.group(1).startswith("-"):  # argparse takes the overrides in one run
+        raise ConfigError("command line", unknown.group(1), "an override after a flag: give the flags (-m, -cd, "
+                          "...) first, then every KEY=VALUE")
+    if unknown:
+        raise ConfigError("command line", unknown.group(1), "no such flag (lightfleet --help lists them)", flags)
+    raise ConfigError("command line", None, f"{message} (lightfleet --help lists the flags)")
 
 
 def user_config_dir(config_dir: Optional[str], config_path: Optional[str]) -> Optional[str]:

@@ -29,6 +29,7 @@ from runner.core.clock import mark_start
 from runner.records import files
 from runner.records.run_dir import create_run_dir, record_failure, records_subdir, write_yaml
 from runner.core.world import World
+from runner.rank.parent import STOPPED, exit_status
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,8 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     print(f"lightfleet: job {hydra.job.num}: {' '.join(command)}", flush=True)
     mark_start()  # the job's start-up time counts from here, not from the sweep's start
     try:
-        from runner.rank.preemption import PREEMPTED
-
         code = launch(spec, plan, command, records)
-        if code == PREEMPTED:  # the sweep stops with its job, as a run does
+        if code in STOPPED:  # the sweep stops with its job, as a run does
             sys.exit(code)
         return objective(spec, records) if code == 0 else math.nan
     except ConfigError as error:  # e.g. a module name only the built model can reject
@@ -96,7 +95,7 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from runner.rank.preemption import PREEMPTED, Preempted, resume_line
+    from runner.rank.preemption import Preempted, resume_line
 
     from runner.command import launch as launcher
 
@@ -109,17 +108,17 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         spec, plan = chosen
     create_run_dir(spec.cfg, plan, command, records)
     run_dir = Path(spec.cfg.paths.output_dir)
-    print(f"{format_plan(plan)}\nlightfleet: run directory {run_dir}", flush=True)
+    print(f"{format_plan(plan, everything=False)}\nlightfleet: run directory {run_dir}", flush=True)
     started = time.monotonic()
     try:
         launcher.run(records, World(**plan.world))
-    except (SignalException, Preempted) as stop:  # the ranks saved their checkpoint at the agreed step
+    except (SignalException, Preempted) as stop:  # a checkpoint at the agreed step, or none if still starting
         # In this process, Preempted knows the step; from the agent, the signal the ranks were passed.
         signum, step = (stop.signum, stop.step) if isinstance(stop, Preempted) else (stop.sigval, None)
-        print(resume_line(run_dir, signum, step), file=sys.stderr, flush=True)
-        record_failure(records, PREEMPTED, resume_line(run_dir, signum, step).removeprefix("lightfleet: "),
-                       status=files.PREEMPTED)
-        return PREEMPTED
+        line = resume_line(run_dir, signum, step)
+        print(line, file=sys.stderr, flush=True)
+        record_failure(records, exit_status(signum), line.removeprefix("lightfleet: "), status=files.PREEMPTED)
+        return exit_status(signum)
     except ChildFailedError as failure:
         codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
         first_rank, first = failure.get_first_failure()

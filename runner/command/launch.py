@@ -14,10 +14,13 @@ import os
 import signal
 import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from runner.core.errors import ConfigError, exit_on_user_error
 from runner.config.schema import TrainerConfig
+from runner.rank.parent import COMMAND_PID
 from runner.records.files import LOGS_DIR
 from runner.records.run_dir import read_plan
 from runner.core.world import World, launched_externally
@@ -54,15 +57,39 @@ def check_devices(trainer: TrainerConfig, world: World) -> None:
         raise ConfigError("trainer.devices", world.devices, f"{has}; ask for at most {gpus} per node")
 
 
+@contextmanager
+def stopping_at_once() -> Iterator[None]:
+    """A preemption signal or Ctrl-C stops the run at once, as Preempted without a step, until
+    training takes them over (runner/rank/preemption.py: a checkpoint at an agreed step) or torch's
+    elastic agent does (it passes them on to the ranks); the handlers before are restored after."""
+    from runner.rank.preemption import SIGNALS, Preempted
+
+    def stop(signum: int, _frame: object) -> None:
+        raise Preempted(signum)
+
+    before = {signum: signal.signal(signum, stop) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 def run(records: Path, world: World) -> None:
     """Train from the config in `records`: in this process, or in one process per device."""
-    nproc = processes_per_node(world)
-    if launched_externally() or (nproc == 1 and world.num_nodes == 1):
-        from runner.rank.train import train_from
+    with stopping_at_once():
+        nproc = processes_per_node(world)
+        if launched_externally() or (nproc == 1 and world.num_nodes == 1):
+            from runner.rank.train import train_from
 
-        train_from(records)
-        return
+            train_from(records)
+        else:
+            launch_ranks(records, world, nproc)
 
+
+def launch_ranks(records: Path, world: World, nproc: int) -> None:
+    """One rank per device of this node, each `python -m runner.train RUN_DIR` under torch's
+    elastic agent, which runs in this process."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
     # The agent's own warnings about stopping ranks repeat what the CLI's summary line says.
@@ -78,7 +105,6 @@ def run(records: Path, world: World) -> None:
         rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex)
     # As torchrun does: ranks sharing a node split its cores instead of each grabbing all of them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    os.environ["LIGHTFLEET_RANK_OF"] = str(os.getpid())  # a rank outliving this process stops (runner.rank.preemption)
     # SLURM's warning before the time limit preempts as SIGTERM does: the agent passes SIGTERM on to
     # the ranks (and waits 30 s for them); SIGUSR1 would end this process at once.
     signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
@@ -90,7 +116,11 @@ def run(records: Path, world: World) -> None:
                                     local_ranks_filter={0}),
         **rendezvous,
     )
-    elastic_launch(config, sys.executable)("-m", "runner.train", str(records))
+    os.environ[COMMAND_PID] = str(os.getpid())  # the ranks' tie to this process (runner/rank/parent.py)
+    try:
+        elastic_launch(config, sys.executable)("-m", "runner.train", str(records))
+    finally:
+        del os.environ[COMMAND_PID]  # for the ranks only: not for a later job run in this process
 
 
 if __name__ == "__main__":  # `python -m runner.command.launch RUN_DIR`: a run already recorded (auto's trials)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from runner.config.compat import check, load_table, strategies_from_argv
+from runner.core.errors import ConfigError, require
 from runner.core.plan import Plan
 from runner.core.world import World, check_multi_node
 
@@ -36,6 +37,7 @@ class Flight:
     spec: Optional["RunSpec"] = None
     plan: Optional[Plan] = None
     model: Any = None  # the user's model built on the meta device (None: its constructor needs real tensors)
+    datamodule: Any = None  # the user's data module (None: its constructor needs real tensors)
     model_builds: int = 0  # how often this job built the model on the meta device (tests count it)
 
 
@@ -92,22 +94,48 @@ def world_and_devices(flight: Flight) -> None:
 
     world = World(**flight.plan.world)
     check_multi_node(world)
+    check_accelerator(flight.spec.trainer.accelerator)
     check_devices(flight.spec.trainer, world)
 
 
+def check_accelerator(accelerator: str) -> None:
+    """An accelerator Lightning knows (mps, tpu, ...) that this machine lacks is refused here, not
+    when a rank builds its Trainer (gpu and cuda: check_devices, which also counts them)."""
+    from pytorch_lightning.accelerators import AcceleratorRegistry
+
+    if accelerator in ("auto", "gpu", "cuda") or accelerator not in AcceleratorRegistry:
+        return
+    if not AcceleratorRegistry[accelerator]["accelerator"].is_available():
+        raise ConfigError("trainer.accelerator", accelerator, "this machine has no such device; use cpu or auto")
+
+
 def targets(flight: Flight) -> None:
-    from runner.config.arguments import check_arguments, check_builds
+    from runner.config.arguments import check_arguments, check_builds, check_kind, check_logger_package
     from runner.config.checks import resolved
 
     run = resolved(flight.spec.cfg)
+    check_kind("model", run["model"])
+    check_kind("data", run["data"])
     check_arguments("model", run["model"])
     check_arguments("data", run["data"])
     for group in ("callbacks", "logger"):
         for name, node in (run.get(group) or {}).items():
             if node:
                 check_arguments(f"{group}.{name}", node)
-    flight.model = check_builds(run["model"], run["data"])
+    for name, node in (run.get("logger") or {}).items():
+        if node:
+            check_logger_package(f"logger.{name}", node)
+    flight.model, flight.datamodule = check_builds(run["model"], run["data"])
     flight.model_builds += 1
+
+
+def the_model_on_one_batch(flight: Flight) -> None:
+    from runner.config.arguments import check_one_batch
+    from runner.config.checks import resolved
+
+    if flight.model is not None and flight.datamodule is not None:
+        run = resolved(flight.spec.cfg)
+        check_one_batch(flight.model, flight.datamodule, run["model"], run["data"])
 
 
 def plan_on_the_model(flight: Flight) -> None:
@@ -120,11 +148,14 @@ def plan_on_the_model(flight: Flight) -> None:
 def checkpoint(flight: Flight) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.records.run_dir import find_checkpoint
+    from runner.records.run_dir import check_weights_fit, find_checkpoint
 
     run = flight.spec.cfg
     if run.ckpt_path is not None:  # relative to where the command ran, also after hydra.job.chdir
-        run.ckpt_path = find_checkpoint(run.ckpt_path, run.paths.root_dir, Path(HydraConfig.get().runtime.cwd))
+        path = find_checkpoint(run, Path(HydraConfig.get().runtime.cwd))
+        if flight.model is not None:
+            check_weights_fit(path, flight.model)
+        run.ckpt_path = str(path)
 
 
 def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:
@@ -132,6 +163,7 @@ def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:
     command records into (a second node's, or an externally launched rank's)."""
     from runner.records.run_dir import records_subdir, reserve_dir
 
+    check_directories(cfg, "paths.output_dir")
     subdir = records_subdir(World(**plan.world))
     return reserve_dir(cfg, "hydra.run.dir", "paths.output_dir", subdir), subdir
 
@@ -140,7 +172,21 @@ def sweep_directory(cfg: "DictConfig") -> Path:
     """The last stage of a sweep: its directory (hydra.sweep.dir)."""
     from runner.records.run_dir import reserve_dir
 
+    check_directories(cfg, "paths.sweep_dir")
     return reserve_dir(cfg, "hydra.sweep.dir", "paths.sweep_dir")
+
+
+def check_directories(cfg: "DictConfig", paths_key: str) -> None:
+    """Directories named by the user that a run cannot write into: an empty `paths_key` (it would be
+    the working directory itself), a callback's dirpath that is an existing file."""
+    from omegaconf import OmegaConf
+
+    require(str(OmegaConf.select(cfg, paths_key)).strip() != "", paths_key, "",
+            "must name a directory (relative paths are taken from where lightfleet runs)")
+    for name, node in (cfg.get("callbacks") or {}).items():
+        dirpath = node.get("dirpath") if node else None
+        if dirpath and Path(str(dirpath)).expanduser().is_file():
+            raise ConfigError(f"callbacks.{name}.dirpath", str(dirpath), "is a file; a checkpoint directory is needed")
 
 
 STAGES = (
@@ -149,7 +195,8 @@ STAGES = (
           "is imported (a forbidden combination costs a fraction of a second)", command_line, per_job=False),
     Stage("compose",
           "Hydra composes conf/, experiments/ and --config-dir with the overrides: unknown groups, options "
-          "and keys (with \"did you mean\"), malformed overrides, flags; for a sweep, every job of a basic sweep",
+          "and keys (with \"did you mean\"), malformed overrides, unknown flags, a bool knob given anything but "
+          "true or false; for a sweep, every job of a basic sweep",
           compose, per_job=False),
     Stage("schema and ranges", "every value against the schema's type, every knob against its range (the "
           "strategy's dataclass in runner/strategies/, runner/config/schema.py), every number finite",
@@ -161,23 +208,29 @@ STAGES = (
           table),
     Stage("plan", "the strategies' contributions combined: one claim per exclusive slot, trainer arguments "
           "against the user's, degrees against the world size, the collective knobs against the trainer", plan),
-    Stage("world and devices", "multi-node rendezvous variables; devices this machine has (GPU count and ids, "
-          "device ids on CPU)", world_and_devices),
-    Stage("targets and the model on the meta device", "every `_target_` node's arguments against its "
-          "constructor (names, required ones, types); the model built on the meta device and the data module "
+    Stage("world and devices", "multi-node rendezvous variables; the accelerator and devices this machine "
+          "has (GPU count and ids, device ids on CPU)", world_and_devices),
+    Stage("targets and the model on the meta device", "the model and the data are a LightningModule and a "
+          "LightningDataModule; every `_target_` node's arguments against its constructor (names, required "
+          "ones, types); the loggers' packages installed; the model built on the meta device and the data module "
           "built, once, so their constructors' refusals stop the command", targets),
+    Stage("the model on one batch", "the meta-device model's training_step on one batch of the data, moved to "
+          "the meta device: a model and data that do not go together (token ids for an image model, float "
+          "features for an embedding) are refused by torch", the_model_on_one_batch),
     Stage("the plan on the model", "the plan's model transforms (module names of recompute and amp, pipeline "
-          "split points) and its optimizer replacement (the optimizer family lars, lamb and dgc need) on the "
-          "meta-device model", plan_on_the_model),
-    Stage("checkpoint", "ckpt_path exists (`last`: the newest last.ckpt under paths.root_dir)", checkpoint),
-    Stage("directories", "the run or sweep directory: writable, not a file, not inside a run, not holding a "
-          "run or sweep; reserved (a clock-named one taken gets a suffix)", run_directory, per_job=False),
+          "split points), its optimizer replacement (the optimizer family lars, lamb and dgc need) and the "
+          "model's optimizer's own arguments (a negative learning rate) on the meta-device model", plan_on_the_model),
+    Stage("checkpoint", "ckpt_path exists and its weights fit the meta-device model (`last`: the newest "
+          "last.ckpt of the same experiment and model under paths.root_dir, named in one line)", checkpoint),
+    Stage("directories", "the run or sweep directory: named, writable, not a file, not inside a run, not "
+          "holding a run or sweep; a checkpoint callback's dirpath not a file; reserved (a clock-named one "
+          "taken gets a suffix)", run_directory, per_job=False),
 )
 # What only a rank can know, checked there (a failure ends the run with the rank's one line).
 RANK_ONLY = (
     "what needs the process group: how many split points each pipeline stage takes, DDP/FSDP wrapping, "
     "the communication hooks' state (dgc)",
-    "the loggers' packages and the callbacks, instantiated in each rank",
+    "the loggers and the callbacks, instantiated in each rank",
     "the user's code itself: forward, loss, data loading",
 )
 JOB_STAGES = tuple(stage for stage in STAGES if stage.per_job)

@@ -8,14 +8,18 @@ and the data module once in the command, so that what the constructors themselve
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import importlib
 import inspect
+import os
 import re
+import traceback
 import types
 import typing
+import warnings
 from typing import Any, Callable, Dict, List, Tuple
 
-from runner.core.errors import ConfigError, first_line
+from runner.core.errors import ConfigError, error_line, first_line
 
 # Keys of a `_target_` node that Hydra's instantiate reads itself.
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -122,21 +126,52 @@ def describe(hint: Any) -> str:
     return str(hint).replace("typing.", "")
 
 
-def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> Any:
+def check_logger_package(key: str, node: Dict[str, Any]) -> None:
+    """A Lightning logger whose package is missing (wandb, mlflow, comet, tensorboard) is refused
+    here, not in every rank. Its module notes each requirement it lacks (a falsy RequirementCache);
+    only then is it built, which fails at its first line, before any side effect."""
+    from hydra.utils import instantiate
+    from lightning_utilities.core.imports import RequirementCache
+
+    module = inspect.getmodule(target_of(key, node))
+    if not any(isinstance(value, RequirementCache) and not value for value in vars(module).values()):
+        return
+    try:
+        instantiate(node)
+    except Exception as error:  # noqa: BLE001 (instantiate wraps the constructor's exception)
+        cause = error.__cause__ or error
+        if isinstance(cause, ImportError):
+            raise ConfigError(key, None, f"its package is not installed: {first_line(cause)}") from None
+
+
+def lightning_kind(key: str) -> type:
+    """What the `model` and `data` nodes must build."""
+    import pytorch_lightning as pl
+
+    return {"model": pl.LightningModule, "data": pl.LightningDataModule}[key]
+
+
+def check_kind(key: str, node: Dict[str, Any]) -> None:
+    """The `model` or `data` node's `_target_`, when a class, is a LightningModule or LightningDataModule."""
+    factory, kind = target_of(key, node), lightning_kind(key)
+    if inspect.isclass(factory) and not issubclass(factory, kind):
+        raise ConfigError(f"{key}._target_", node["_target_"], f"is not a {kind.__name__} (pytorch_lightning.{kind.__name__})")
+
+
+def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> Tuple[Any, Any]:
     """Build the model (on the meta device: parameters without storage) and the data module once,
-    so that the constructors' own refusals stop the command: one line naming the node. Returns
-    the meta-device model (None when its constructor needs real tensors)."""
+    so that the constructors' own refusals stop the command: one line naming the node; and each
+    must be what Lightning trains: a LightningModule and a LightningDataModule. Returns the
+    meta-device model and the data module (None for one whose constructor needs real tensors)."""
     import torch
     from hydra.utils import instantiate
 
-    built = None
+    built: Dict[str, Any] = {"model": None, "data": None}
     for key, node in (("model", model), ("data", data)):
+        kind = lightning_kind(key)
         try:
-            if key == "model":
-                with torch.device("meta"):
-                    built = instantiate(node, _convert_="all")
-            else:
-                instantiate(node, _convert_="all")
+            with torch.device("meta") if key == "model" else contextlib.nullcontext():
+                made = instantiate(node, _convert_="all")
         except Exception as error:  # noqa: BLE001 (whatever the user's constructor raises)
             cause = error.__cause__ or error  # instantiate wraps the constructor's exception
             if "meta" in str(cause):  # a constructor that needs real tensors: it is built in the ranks
@@ -146,4 +181,30 @@ def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> Any:
             if named and named.group(1) in node:
                 raise ConfigError(f"{key}.{named.group(1)}", node[named.group(1)], named.group(2)) from None
             raise ConfigError(key, None, f"{node['_target_']} refused its arguments: {reason}") from None
-    return built
+        if not isinstance(made, kind):  # a factory function's product
+            raise ConfigError(f"{key}._target_", node["_target_"], f"made a {type(made).__name__}, not a {kind.__name__}")
+        built[key] = made
+    return built["model"], built["data"]
+
+
+def check_one_batch(model: Any, datamodule: Any, model_node: Dict[str, Any], data_node: Dict[str, Any]) -> None:
+    """The meta-device model's training_step on one batch of the data, moved to the meta device (no
+    memory, no arithmetic), so that a model and data that do not fit together (token ids for a
+    model of images, float features for an embedding) stop the command. Only torch's own refusal of
+    the batch counts: whatever needs more than the meta device (a loaded file, a trainer, a value)
+    is left to the ranks."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    try:
+        with warnings.catch_warnings():  # Lightning's "self.log without a trainer", data loaders' notes
+            warnings.simplefilter("ignore")
+            datamodule.setup("fit")
+            batch = next(iter(datamodule.train_dataloader()))
+            batch = tree_map(lambda item: item.to("meta") if isinstance(item, torch.Tensor) else item, batch)
+            model.training_step(batch, 0)
+    except Exception as error:  # noqa: BLE001 (whatever the user's code raises)
+        innermost = traceback.extract_tb(error.__traceback__)[-1].filename
+        if f"{os.sep}torch{os.sep}" in innermost and "meta" not in str(error):
+            raise ConfigError("model", None, f"{model_node['_target_']} cannot train on {data_node['_target_']}'s "
+                              f"batches: {error_line(error)} (choose a model and data that go together)") from None

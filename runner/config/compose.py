@@ -24,11 +24,12 @@ from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import BooleanNode
 
 from runner import strategies
 from runner.config import schema
 from runner.config.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table
-from runner.core.errors import ConfigError, Refusal, first_line
+from runner.core.errors import ConfigError, Refusal, first_line, require
 
 CONFIG_NAME = "config"  # conf/config.yaml; also stored as `lightfleet` for users' primary configs
 SAVED_RUN = "lightfleet_saved_run"  # the primary config of `lightfleet replay|resume|eval RUN_DIR`
@@ -109,10 +110,24 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
         if not knobs:
             raise
         raise _not_selected(knobs[0]) from None
+    require_booleans(cfg, hydra, overrides)
     if not with_hydra:
         with open_dict(cfg):
             del cfg["hydra"]
     return cfg
+
+
+def require_booleans(cfg: DictConfig, hydra: Hydra, overrides: Sequence[str]) -> None:
+    """A knob typed bool takes true or false on the command line: composing onto the schema, OmegaConf
+    reads 1 or "yes" as true, silently."""
+    for override in OverridesParser.create(hydra.config_loader).parse_overrides(list(overrides)):
+        if override.is_sweep_override() or override.is_delete() or not override.key_or_group.count("."):
+            continue
+        parent, _, leaf = override.key_or_group.rpartition(".")
+        node = OmegaConf.select(cfg, parent)
+        given = override.value()
+        if isinstance(node, DictConfig) and isinstance(node._get_node(leaf), BooleanNode):
+            require(given is None or isinstance(given, bool), override.key_or_group, given, "must be true or false")
 
 
 def _with_known_keys(problem: ConfigError, hydra: Hydra, config_name: str, overrides: Sequence[str],

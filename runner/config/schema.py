@@ -8,6 +8,7 @@ right under it (the source of docs/knobs.md). Strategies' knobs live in runner/s
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Dict, Optional
 
@@ -23,6 +24,20 @@ StrategyConfig = make_dataclass(
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 PROFILERS = ("simple", "advanced", "pytorch", "xla")
+
+
+# The keys of a max_time mapping: Lightning's Timer builds a datetime.timedelta from it.
+TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
+def is_duration(value: Any) -> bool:
+    """A max_time Lightning's Timer takes: "DD:HH:MM:SS", or a mapping of TIMEDELTA_KEYS to numbers."""
+    if isinstance(value, str):
+        return re.fullmatch(r"\d+:\d\d:\d\d:\d\d", value.strip()) is not None
+    if isinstance(value, dict):
+        return bool(value) and all(key in TIMEDELTA_KEYS and isinstance(number, (int, float))
+                                   and not isinstance(number, bool) for key, number in value.items())
+    return value is None
 
 
 def is_batches(value: Any, lowest: int) -> bool:
@@ -112,9 +127,13 @@ class TrainerConfig:
     """Lightning model registry name (unused by lightfleet)."""
 
     def __post_init__(self) -> None:
-        devices_ok = (self.devices in ("auto", -1) or (isinstance(self.devices, int) and self.devices >= 1)
-                      or (isinstance(self.devices, list) and len(self.devices) >= 1))
+        devices_ok = not isinstance(self.devices, bool) and (  # true is an int to Python, not a count
+            self.devices in ("auto", -1) or (isinstance(self.devices, int) and self.devices >= 1)
+            or (isinstance(self.devices, list) and len(self.devices) >= 1))
         require(devices_ok, "trainer.devices", self.devices, "allowed: a count >= 1, a list of device ids, auto or -1")
+        require(is_duration(self.max_time), "trainer.max_time", self.max_time,
+                "allowed: \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\"), a mapping such as {hours: 12}, or null; keys: "
+                + ", ".join(TIMEDELTA_KEYS))
         require(self.num_nodes >= 1, "trainer.num_nodes", self.num_nodes, "must be >= 1")
         require(self.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches",
                 self.accumulate_grad_batches, "must be >= 1")
@@ -206,8 +225,9 @@ class RunConfig:
     """Print the plan and exit without training."""
     ckpt_path: Optional[str] = None
     """Checkpoint to start from: model, optimizer, loss scaler, strategy state and step count
-    (a path, or `last`: the newest checkpoints/last.ckpt under paths.root_dir's outputs/ and
-    multirun/). The run itself writes a new run directory."""
+    (a path, or `last`: the newest checkpoints/last.ckpt of a run of the same experiment name and
+    model under paths.root_dir's outputs/ and multirun/, named when taken). Weights that do not fit
+    the model are refused before anything starts. The run itself writes a new run directory."""
     test: bool = False
     """Run the test stage after fit (the data module needs a test_dataloader)."""
     evaluate: bool = False

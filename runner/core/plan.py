@@ -31,6 +31,7 @@ PHASES = ("precision", "pipeline", "tensor_parallel", "recompute", "sharding", "
 # then lightfleet's own, in phase AFTER_USER: the measurement sees whole steps, and the preemption
 # checkpoint holds the state the user's callbacks kept for its step.
 AFTER_USER = "after_user"
+RUNNER = "lightfleet"  # who asks for what every run has: the runner's callbacks, DDP where no strategy brings one
 LIGHTFLEET_DDP = "plugins.ddp:build_ddp"  # the Lightning strategy of a run whose strategies bring none
 
 
@@ -108,7 +109,7 @@ def make_plan(strategies: Dict[str, Strategy], trainer: Any, batch_size: Optiona
     if plan.lightning_strategy is None and (world.world_size != 1 or plan.comm_hook is not None):
         # Processes are started by lightfleet's launcher (or torchrun/SLURM); Lightning joins them.
         # A communication hook needs DDP even in one process: it may carry the update (dgc's momentum).
-        plan.lightning_strategy = Claim("lightfleet", Component(LIGHTFLEET_DDP, {}))
+        plan.lightning_strategy = Claim(RUNNER, Component(LIGHTFLEET_DDP, {}))
     chosen = plan.lightning_strategy.component.target if plan.lightning_strategy else None
     for name, contribute in (lightfleet or {}).items():
         _add(plan, name, contribute(replace(run, lightning_strategy=chosen)), trainer, callback_phase=AFTER_USER)
@@ -162,9 +163,10 @@ def _claim_trainer_args(plan: Plan, name: str, trainer_args: Dict[str, Any], tra
         plan.trainer_args[arg] = {"value": value, "by": name}
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, everything: bool = True) -> str:
     """Human-readable plan: one line per decision that is switched on, each with who asked for it
-    (a strategy, `collective` or `lightfleet`; plan.yaml holds the whole plan)."""
+    (a strategy, `collective` or `lightfleet`; plan.yaml holds the whole plan). Without
+    `everything` (a run's console), the callbacks every run has (the runner's own) are left out."""
     world = plan.world
     lines = [f"strategies: {', '.join(plan.strategies) or '(none)'}",
              f"world: {world['world_size']} process(es) = {world['devices']} per node x {world['num_nodes']} node(s)"]
@@ -191,10 +193,11 @@ def format_plan(plan: Plan) -> str:
     if plan.trainer_args:
         lines.append("trainer arguments:")
         lines += arguments(plan.trainer_args)
-    if plan.callbacks:
+    shown = [c for c in plan.callbacks if everything or c.by != RUNNER]
+    if shown:
         lines.append("callbacks (in order):")
-        lines += [f"  {describe(c)}" for c in plan.callbacks if c.phase != AFTER_USER]
+        lines += [f"  {describe(c)}" for c in shown if c.phase != AFTER_USER]
         lines.append("  (the config's callbacks.*)")
-        lines += [f"  {describe(c)}" for c in plan.callbacks if c.phase == AFTER_USER]
+        lines += [f"  {describe(c)}" for c in shown if c.phase == AFTER_USER]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)

@@ -10,6 +10,8 @@ The user's code never has to know which strategies are on.
 """
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -29,7 +31,7 @@ from plugins import collective
 from plugins.transforms import ModelContext, Transform, apply_transforms, transform_in_configure_model
 from runner.config.arguments import check_arguments
 from runner.core import world
-from runner.core.errors import ConfigError
+from runner.core.errors import ConfigError, first_line
 from runner.core.plan import AFTER_USER, LIGHTFLEET_DDP, Claim, Plan
 from runner.rank.measure import RunMeter
 from runner.records.files import BUILD_YAML
@@ -117,9 +119,9 @@ def optimizer_replacement(plan: Plan, model: pl.LightningModule) -> Callable[[Op
 
 def check_plan_on_model(model: pl.LightningModule, plan: Plan) -> None:
     """What only the built model can refuse, checked in the command before any directory or rank:
-    the plan's model transforms (recompute's and amp's module names, pipeline split names) and its
-    optimizer replacement (the optimizer family lars, lamb and dgc need), on `model` built on the
-    meta device. A ConfigError stops the command; anything else needs a rank (a process group, a
+    the plan's model transforms (recompute's and amp's module names, pipeline split names), its
+    optimizer replacement (the optimizer family lars, lamb and dgc need) and the model's own
+    optimizer's arguments (a negative learning rate), on `model` built on the meta device. A ConfigError stops the command; anything else needs a rank (a process group, a
     trainer, dgc's hook state), and the ranks check it again, fully."""
 
     def transforms() -> None:
@@ -128,7 +130,13 @@ def check_plan_on_model(model: pl.LightningModule, plan: Plan) -> None:
     def optimizer() -> None:
         if plan.optimizer is not None:
             replace_optimizers(model, optimizer_replacement(plan, model))
+        try:
             model.configure_optimizers()
+        except Exception as error:
+            if any(f"{os.sep}torch{os.sep}optim{os.sep}" in frame.filename
+                   for frame in traceback.extract_tb(error.__traceback__)):  # a torch optimizer refused its arguments
+                raise ConfigError("model", None, f"its optimizer refused its arguments: {first_line(error)}") from None
+            raise
 
     for check in (transforms, optimizer):
         try:

@@ -1,40 +1,37 @@
-"""Preemption as on a cluster: SIGTERM, or SIGUSR1 (SLURM's warning before the time limit), makes
-every rank finish the step it is in, save checkpoints/last.ckpt at that step, and exit with
-status PREEMPTED; `lightfleet resume RUN_DIR` continues from there (docs/reliability.md).
+"""Preemption as on a cluster: SIGTERM, or SIGUSR1 (SLURM's warning before the time limit), or
+SIGINT (Ctrl-C) while training makes every rank finish the step it is in, save
+checkpoints/last.ckpt at that step, and exit; `lightfleet resume RUN_DIR` continues from there
+(docs/reliability.md). A second Ctrl-C stops at once.
 
 The signal handlers only note the signal. The ranks vote at the end of each optimizer step, with
 one small all-reduce, whether any rank has one, so all stop at the same step and save together
 (a sharded checkpoint is collective). The vote runs in the background while the next step
 computes and is read at that step's end: the ranks stop one step after the signal, and the
 vote's latency is hidden (bench/preemption.py). Lightning's own SIGTERM handling is replaced: it stops
-ranks at different steps. A rank whose parent (the lightfleet command) dies takes that as a
-SIGTERM, and leaves on its own if the others do not follow in time.
+ranks at different steps. Before training starts, a signal stops the run at once, without a
+checkpoint (runner/command/launch.py; in a rank, runner/rank/parent.py).
 """
 from __future__ import annotations
 
-import os
 import signal
-import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
 
+from runner.rank.parent import PREEMPTED, exit_status  # noqa: F401 (PREEMPTED: runner/rank/train.py's)
 from runner.records.files import LAST_CHECKPOINT
 
-PREEMPTED = 143  # the exit status of a preempted run: 128 + SIGTERM, as a scheduler expects
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-ORPHAN_GRACE_S = 20.0  # after the parent's death, the time a rank has to checkpoint before it leaves
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preempted(SystemExit):
-    """Raised on every rank at the agreed step, once its checkpoint is saved."""
+    """Raised on every rank at the agreed step, once its checkpoint is saved; or at once, with no
+    step, by a signal that came before training started (or by a second Ctrl-C)."""
 
-    def __init__(self, signum: int, step: int) -> None:
-        super().__init__(PREEMPTED)
+    def __init__(self, signum: int, step: Optional[int] = None) -> None:
+        super().__init__(exit_status(signum))
         self.signum, self.step = signum, step
 
 
@@ -49,12 +46,15 @@ class Preemption(pl.Callback):
         self._vote: Optional[tuple] = None  # (the all-reduce under way, its tensor)
 
     def note(self, signum: int, _frame: Any = None) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
+            raise Preempted(signum)
         self.received = self.received or signum
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for signum in SIGNALS:  # after Lightning's, which its fit loop acts on rank by rank
             signal.signal(signum, self.note)
-        watch_parent(self)
+        if trainer.received_sigterm:  # Lightning's handler took one while fit was setting up
+            raise Preempted(signal.SIGTERM)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.last_step:  # a micro-batch of an accumulated step
@@ -85,26 +85,13 @@ class Preemption(pl.Callback):
             self.agreed_signal, self._vote = int(flag.item()), None
 
 
-def watch_parent(preemption: Preemption) -> None:
-    """In a rank started by the command: when the command dies (its ranks are re-parented), act
-    as on SIGTERM, and leave after ORPHAN_GRACE_S whatever happens."""
-    if os.environ.get("LIGHTFLEET_RANK_OF") != str(os.getppid()):
-        return  # not a rank of the command (one process, or started by torchrun or SLURM)
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        preemption.note(signal.SIGTERM)
-        time.sleep(ORPHAN_GRACE_S)
-        print("lightfleet: the command is gone and the run did not stop in time; leaving", file=sys.stderr, flush=True)
-        os._exit(PREEMPTED)
-
-    threading.Thread(target=watch, name="lightfleet-parent-watch", daemon=True).start()
-
-
 def resume_line(run_dir: Path, signum: int, step: Optional[int] = None) -> str:
-    """What the command says when its run was preempted."""
-    at = f" at step {step}" if step is not None else ""
-    return (f"lightfleet: preempted by {signal.Signals(signum).name}{at}; checkpoint saved in "
-            f"{run_dir / LAST_CHECKPOINT}; continue with: lightfleet resume {run_dir}")
+    """What the command says when a signal stopped its run: with the checkpoint the ranks saved,
+    or, stopped before there was one, that a resume starts the run again."""
+    how = "interrupted" if signum == signal.SIGINT else "preempted"
+    if (run_dir / LAST_CHECKPOINT).exists():
+        at = f" at step {step}" if step is not None else ""
+        saved = f"checkpoint saved in {run_dir / LAST_CHECKPOINT}"
+    else:
+        at, saved = "", "no checkpoint was saved yet, so resuming starts the run again"
+    return f"lightfleet: {how} by {signal.Signals(signum).name}{at}; {saved}; continue with: lightfleet resume {run_dir}"

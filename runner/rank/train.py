@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import sysconfig
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Dict
 
@@ -16,38 +16,66 @@ from omegaconf import DictConfig, OmegaConf
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
 from runner.core.plan import Plan
 from runner.core.clock import started_at
-from runner.records.files import CONFIG_YAML, RESULTS_YAML, rank_traceback
+from runner.records.files import CONFIG_YAML, JOB_LOG, RESULTS_YAML, rank_traceback
 from runner.records.run_dir import read_plan, write_yaml
 
 
-# Lightning's informational loggers: device and distributed-setup lines, tips.
-LIGHTNING_INFO_LOGGERS = ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero",
-                          "lightning_fabric.utilities.distributed", "pytorch_lightning.accelerators.cuda")
+# Where the libraries are installed: their log records and warnings go to the job's log only
+# (lightfleet's own and the user's code reach the console as well).
+LIBRARIES = tuple({os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "purelib", "platlib")})
+OWN_SOURCES = tuple(str(Path(__file__).parents[2] / package) + os.sep for package in ("runner", "plugins"))
+# Libraries whose loggers have console handlers of their own, bypassing the job's log: Lightning's
+# top loggers when imported before logging is configured (as the command imports them), torch's
+# registered ones (torch, torch.distributed, torch.distributed.fsdp, ...) always.
+LIBRARY_PACKAGES = ("pytorch_lightning", "lightning_fabric", "torch")
 
 
-def quiet_console(verbose: bool) -> None:
-    """Keep the console to the plan, the progress bar and the summary unless `verbose`."""
-    if verbose:
-        return
-    for name in LIGHTNING_INFO_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    # Lightning 2.6 builds torch pytree specs the way torch 2.13 deprecates: nothing a user can act on.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    # torchdata 0.11's StatefulDataLoader calls a torch function torch 2.13 deprecates, at every epoch.
-    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+class NotFromLibraries(logging.Filter):
+    """The console's filter unless verbose: the libraries' records and warnings (Lightning's device
+    lines and tips, torch's and torchdata's warnings) stay in the job's log; lightfleet's and the
+    user's code's pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # logging.captureWarnings' records hold the warning as Python prints it: its file first.
+        source = record.getMessage() if record.name == "py.warnings" else record.pathname
+        return source.startswith(OWN_SOURCES) or not source.startswith(LIBRARIES)
 
 
-def train(cfg: DictConfig, plan: Plan) -> Dict[str, Any]:
+def log_to_job_log(records: Path, verbose: bool) -> None:
+    """Every log record and Python warning of this process into the job's log (records/lightfleet.log,
+    the file Hydra's job logging writes), and onto the console all but the libraries', unless `verbose`.
+    A single-process run has Hydra's handlers; a rank started by runner/command/launch.py gets its own,
+    appending to the same file with its rank in every line."""
+    root = logging.getLogger()
+    if not any(isinstance(handler, logging.FileHandler) for handler in root.handlers):
+        job_log = logging.FileHandler(records / JOB_LOG)
+        rank = os.environ.get("RANK", "0")
+        job_log.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(job_log)
+        root.addHandler(logging.StreamHandler())  # stderr: the rank's log, and rank 0's on the console
+        root.setLevel(logging.INFO)
+    for handler in root.handlers:
+        if not isinstance(handler, logging.FileHandler) and not verbose:
+            handler.addFilter(NotFromLibraries())
+    for name, library in list(logging.Logger.manager.loggerDict.items()):  # through the root's handlers
+        if isinstance(library, logging.Logger) and name.partition(".")[0] in LIBRARY_PACKAGES:
+            consoles = [handler for handler in library.handlers if type(handler) is logging.StreamHandler]
+            for handler in consoles:  # exactly StreamHandler: torch's trace log (a subclass) stays as it is
+                library.removeHandler(handler)
+            library.propagate = library.propagate or bool(consoles)
+    logging.captureWarnings(True)
+
+
+def train(cfg: DictConfig, plan: Plan, records: Path) -> Dict[str, Any]:
     """Build, fit, and record the final metrics (rank 0 writes results.yaml). `cfg` and `plan` are
-    the run's as the command's preflight checked and saved them."""
+    the run's as the command's preflight checked and saved them in `records`."""
     import torch
 
     from pytorch_lightning.utilities.model_helpers import is_overridden
 
     from runner.rank.build import build
 
-    quiet_console(cfg.verbose)
-
+    log_to_job_log(records, cfg.verbose)  # once torch and Lightning, which set up their own logging, are imported
     run_dir = Path(cfg.paths.output_dir)
     built = build(cfg, plan, run_dir)
     trainer = built.trainer
@@ -93,7 +121,7 @@ def train_from(records: Path) -> Dict[str, Any]:
     cfg = OmegaConf.load(records / CONFIG_YAML)
     require(not (Path(cfg.paths.output_dir) / RESULTS_YAML).exists(), "run directory", str(records),
             f"has finished; `lightfleet replay {records}` runs it again in a new directory")
-    return train(cfg, read_plan(records))
+    return train(cfg, read_plan(records), records)
 
 
 def report_failure(records: Path, error: Exception) -> int:

@@ -11,13 +11,14 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config.compat import PROJECT_ROOT
-from runner.core.errors import ConfigError, require
+from runner.core.errors import ConfigError, error_line, require
 from runner.core.plan import Plan, format_plan
 from runner.core.world import World, launched_externally
 from runner.records.files import (CONFIG_YAML, ENV_YAML, FAILED, FAILURE_YAML, LAST_CHECKPOINT, MULTIRUN_YAML,
@@ -72,21 +73,102 @@ def check_writable(key: str, path: Path) -> None:
                 f"is inside the run directory {parent}; choose a directory outside it")
 
 
-def find_checkpoint(ckpt_path: str, root_dir: str, base: Path) -> str:
-    """`ckpt_path` as an absolute path that exists (relative ones are taken from `base`, where
-    the command ran); `last` is the newest checkpoints/last.ckpt of the runs and sweep jobs
-    under `root_dir`'s outputs/ and multirun/."""
-    if ckpt_path != "last":
-        path = (base / Path(ckpt_path).expanduser()).resolve()
+def find_checkpoint(run: DictConfig, base: Path) -> Path:
+    """`run.ckpt_path` as an absolute path that exists (relative ones are taken from `base`, where
+    the command ran). `last` is the newest checkpoints/last.ckpt of the runs and sweep jobs of the
+    same experiment (`name`) and model (`model._target_`) under paths.root_dir's outputs/ and
+    multirun/; which one it took is said in one line."""
+    if run.ckpt_path != "last":
+        path = (base / Path(run.ckpt_path).expanduser()).resolve()
         if not path.exists():
-            raise ConfigError("ckpt_path", ckpt_path, f"no such checkpoint ({path})")
-        return str(path)
-    root = (base / Path(root_dir).expanduser()).resolve()
-    found = [p for folder in ("outputs", "multirun") for p in (root / folder).glob(f"**/{LAST_CHECKPOINT}")]
-    if not found:
-        raise ConfigError("ckpt_path", ckpt_path, f"no run under {root / 'outputs'} or {root / 'multirun'} "
-                          f"has {LAST_CHECKPOINT}; give the checkpoint's path")
-    return str(max(found, key=lambda p: p.stat().st_mtime))
+            raise ConfigError("ckpt_path", run.ckpt_path, f"no such checkpoint ({path})")
+        return path
+    root = (base / Path(run.paths.root_dir).expanduser()).resolve()
+    found = [path for folder in ("outputs", "multirun") for path in (root / folder).glob(f"**/{LAST_CHECKPOINT}")]
+    ours = [path for path in found if same_experiment(path.parents[1], run)]
+    if not ours:
+        others = f" (only of other experiments or models: {len(found)})" if found else ""
+        raise ConfigError("ckpt_path", "last", f"no run of experiment {run.name!r} with model {run.model._target_} "
+                          f"under {root / 'outputs'} or {root / 'multirun'} has {LAST_CHECKPOINT}{others}; "
+                          f"give the checkpoint's path")
+    newest = max(ours, key=lambda path: saved_at(path))
+    print(f"lightfleet: ckpt_path=last: {newest} (step {checkpoint_contents(newest).step})", flush=True)
+    return newest
+
+
+def same_experiment(records: Path, run: DictConfig) -> bool:
+    """Whether the run directory `records` ran `run`'s experiment with `run`'s model."""
+    config = records / CONFIG_YAML
+    if not config.is_file():
+        return False
+    saved = yaml.safe_load(config.read_text()) or {}
+    return saved.get("name") == run.name and (saved.get("model") or {}).get("_target_") == run.model._target_
+
+
+def saved_at(checkpoint: Path) -> float:
+    """When `checkpoint` was last written: a distributed checkpoint's directory by its metadata
+    file, which Lightning writes last."""
+    from lightning_fabric.strategies.fsdp import _METADATA_FILENAME
+
+    return (checkpoint / _METADATA_FILENAME if checkpoint.is_dir() else checkpoint).stat().st_mtime
+
+
+@dataclass(frozen=True)
+class CheckpointContents:
+    step: int  # the global step it was saved at
+    weights: Dict[str, Optional[Tuple[int, ...]]]  # the model's state dict: names and shapes (None: not a tensor)
+
+
+def checkpoint_contents(checkpoint: Path) -> CheckpointContents:
+    """What a Lightning checkpoint holds, read without loading its tensors: a file (memory-mapped)
+    or a distributed checkpoint's directory (sharding stages 2/3, the pipeline)."""
+    import torch
+    from lightning_fabric.strategies.fsdp import _METADATA_FILENAME
+
+    try:
+        if checkpoint.is_dir():
+            from torch.distributed.checkpoint import FileSystemReader
+
+            meta = torch.load(checkpoint / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+            stored = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+            weights = {key.removeprefix("state_dict."): tuple(item.size) if hasattr(item, "size") else None
+                       for key, item in stored.items() if key.startswith("state_dict.")}
+        else:
+            meta = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+            weights = {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+                       for key, value in meta["state_dict"].items()}
+        return CheckpointContents(int(meta["global_step"]), weights)
+    except Exception as error:  # noqa: BLE001 (whatever a file that is no checkpoint raises)
+        raise ConfigError("ckpt_path", str(checkpoint), f"is not a checkpoint lightfleet can read "
+                          f"({error_line(error)})") from None
+
+
+def check_weights_fit(checkpoint: Path, model: Any) -> None:
+    """Refuse a checkpoint whose weights do not fit `model` (the user's LightningModule built on
+    the meta device), in one line naming the checkpoint and the first keys that differ, instead
+    of Lightning's error in every rank. A model that makes its layers in `configure_model` has
+    not made them yet: the ranks check that one."""
+    from pytorch_lightning.utilities.model_helpers import is_overridden
+
+    if is_overridden("configure_model", model):
+        return
+    held = checkpoint_contents(checkpoint).weights
+    wanted = {key: tuple(value.shape) if hasattr(value, "shape") else None for key, value in model.state_dict().items()}
+    differences = {"missing": [key for key in wanted if key not in held],
+                   "unexpected": [key for key in held if key not in wanted]}
+    if not getattr(model, "strict_loading", True):  # Lightning loads strictly unless the model says otherwise
+        differences.clear()
+    differences["other shapes"] = [f"{key} {list(held[key])} (model {list(shape)})" for key, shape in wanted.items()
+                                   if key in held and None not in (shape, held[key]) and shape != held[key]]
+    told = [f"{what}: {listed(keys)}" for what, keys in differences.items() if keys]
+    require(not told, "ckpt_path", str(checkpoint),
+            f"its weights do not fit the model ({type(model).__name__}): {'; '.join(told)}")
+
+
+def listed(items: Iterable[str], first: int = 3) -> str:
+    """The first few of `items`, and how many more."""
+    items = list(items)
+    return ", ".join(items[:first]) + (f" (+{len(items) - first} more)" if len(items) > first else "")
 
 
 def records_subdir(world: World) -> str:

@@ -192,7 +192,7 @@ def test_the_saved_plan_reads_back_as_the_same_plan():
 # --------------------------------------------------------------------------- lightfleet's own contributions
 
 RUNNER_CALLBACKS = ["runner.rank.measure:RunMeter", "runner.rank.preemption:Preemption", "plugins.resume:RandomStates",
-                    "plugins.resume:EpochEndPosition"]
+                    "plugins.resume:EpochEndPosition", "plugins.progress:StepsProgressBar"]
 EVERY_COLLECTIVE_MECHANISM = ["trainer.devices=2", "collective.build_strategy.fuse_bn_act_ops=true",
                               "collective.build_strategy.fuse_all_optimizer_ops=true", "collective.fuse_grad_size_in_MB=8",
                               "collective.find_unused_parameters=true", "collective.timeout_s=30",
@@ -227,6 +227,12 @@ def test_the_plan_names_compile_foreach_ddp_arguments_the_timeout_and_the_runner
     assert [(c["by"], c["phase"], c["component"]["target"]) for c in saved["callbacks"]] == [
         ("collective", AFTER_USER, "plugins.collective:CollectiveSetup"),
         *(("lightfleet", AFTER_USER, target) for target in RUNNER_CALLBACKS)]
+
+
+def test_lightfleets_progress_bar_stands_aside_for_the_configs_own_and_for_none(spec_for):
+    for overrides in (["trainer.enable_progress_bar=false"], ["callbacks=rich_progress_bar"]):
+        targets = [c.component.target for c in plan_for(spec_for(*overrides)).callbacks]
+        assert targets == RUNNER_CALLBACKS[:-1], overrides
 
 
 def test_at_the_defaults_lightfleet_adds_its_callbacks_and_lightfleet_ddp_its_buckets(spec_for):

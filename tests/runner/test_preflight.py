@@ -30,7 +30,8 @@ def test_docs_list_the_stages_in_order():
 def test_the_stages_run_in_the_order_the_design_names():
     assert preflight.stage_names() == [
         "table, from the command line", "compose", "schema and ranges", "cross-field rules", "table", "plan",
-        "world and devices", "targets and the model on the meta device", "the plan on the model", "checkpoint",
+        "world and devices", "targets and the model on the meta device", "the model on one batch",
+        "the plan on the model", "checkpoint",
         "directories"]
     assert [stage.name for stage in preflight.JOB_STAGES] == preflight.stage_names()[2:-1]
 

@@ -1,0 +1,68 @@
+"""A rank's tie to the lightfleet command that started it, from the rank's first line: a rank
+never outlives its command by more than ORPHAN_GRACE_S, whatever it is doing when the command dies
+(importing torch, building the model, training). Pure: it runs before torch is imported.
+
+The command (runner/command/launch.py) names itself in COMMAND_PID for the ranks it starts; a rank
+started by torchrun or SLURM has no such tie (their launcher stops it).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+COMMAND_PID = "LIGHTFLEET_RANK_OF"  # set by the command for its ranks: its process id
+PREEMPTED = 143  # the exit status of a run stopped by SIGTERM or SIGUSR1: 128 + SIGTERM, as a scheduler expects
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C: 128 + SIGINT, as a shell expects
+STOPPED = (PREEMPTED, INTERRUPTED)
+ORPHAN_GRACE_S = 20.0  # after the command's death, the time a rank has to checkpoint before it leaves
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def exit_status(signum: int) -> int:
+    """The exit status of a run stopped by signal `signum`."""
+    return INTERRUPTED if signum == signal.SIGINT else PREEMPTED
+
+
+def tie_to_command() -> None:
+    """In a rank started by the command: take the command's death as SIGTERM (the kernel's
+    parent-death signal on Linux, else a watch that sends it), leave at once if the command is
+    already gone, and leave ORPHAN_GRACE_S after its death whatever happens. Until training starts
+    SIGTERM and SIGINT end the rank at once (runner/rank/preemption.py then takes them over)."""
+    command = os.environ.get(COMMAND_PID)
+    if command is None:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # no KeyboardInterrupt traceback while starting
+    by_kernel = _set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != int(command):  # it died before the signal was set
+        _leave("the command that started this rank is gone")
+    threading.Thread(target=_watch, args=(int(command), not by_kernel), name="lightfleet-command-watch",
+                     daemon=True).start()
+
+
+def _set_parent_death_signal(signum: int) -> bool:
+    """Ask the kernel for `signum` when this process's parent dies (Linux only); whether it will."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch(command: int, send_sigterm: bool) -> None:
+    while os.getppid() == command:  # re-parented once the command dies
+        time.sleep(0.5)
+    if send_sigterm:
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(ORPHAN_GRACE_S)
+    _leave("the command is gone and the run did not stop in time")
+
+
+def _leave(why: str) -> None:
+    print(f"lightfleet: {why}; leaving", file=sys.stderr, flush=True)
+    os._exit(PREEMPTED)

@@ -1,0 +1,97 @@
+"""What a run shows and what it keeps, through the real command: the console holds lightfleet's
+lines, the progress bar and the summary; the libraries' warnings and Lightning's setup lines go to
+the job's log file (lightfleet.log) in every kind of run, and onto the console with
+hydra.verbose=true; the progress bar counts steps when max_steps bounds the run. The runs'
+checkpoints (distributed-checkpoint directories) then serve `ckpt_path`'s checks."""
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugins.resume import own
+from runner.command import cli, preflight
+from runner.config.compose import CONFIG_NAME
+from runner.rank.train import NotFromLibraries
+from runner.records.run_dir import checkpoint_contents
+
+QUIET = re.compile(r"warn", re.IGNORECASE)
+
+
+def console(done) -> str:
+    return done.stdout + done.stderr
+
+
+def job_log(run: Path) -> str:
+    return (run / "lightfleet.log").read_text()
+
+
+def preflight_of(*overrides: str) -> preflight.Flight:
+    """The command's job stages on these overrides, in this process (the model built on the meta device)."""
+    return cli.checked(preflight.compose(list(overrides), None, CONFIG_NAME))
+
+
+# torch.distributed.checkpoint's, each time last.ckpt is written again (where fit ends).
+WARNED = "Detected an existing checkpoint"
+
+
+@pytest.mark.parametrize("command", [["strategy=[sharding]", "strategy.sharding.stage=3", "trainer.devices=2"],
+                                     ["experiment=gpt_pipeline_1f1b"]], ids=["sharding", "pipeline"])
+def test_a_multi_process_runs_console_holds_only_lightfleets_lines(lightfleet, tmp_path, monkeypatch, command):
+    done = lightfleet(*command, "trainer.max_steps=3", "paths.output_dir=run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not QUIET.search(console(done)), console(done)
+    log = job_log(tmp_path / "run")
+    assert WARNED in log and "[rank 0][py.warnings][WARNING]" in log and "[rank 1]" in log
+    # The run's checkpoint, a distributed-checkpoint directory, read as the preflight reads it.
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_dir() and checkpoint_contents(checkpoint).step == 3
+    monkeypatch.chdir(tmp_path)
+    resumed = preflight_of(*command, f"ckpt_path={checkpoint}")  # its weights fit the model: no refusal
+    assert set(checkpoint_contents(checkpoint).weights) == set(resumed.model.state_dict())
+    loud = lightfleet(*command, "trainer.max_steps=3", "paths.output_dir=loud", "hydra.verbose=true")
+    assert loud.returncode == 0 and WARNED in console(loud)
+
+
+def test_a_single_process_run_keeps_its_log_and_counts_steps_on_the_progress_bar(lightfleet, tmp_path):
+    """40 steps of 32-batch epochs: the bar goes on counting the run's steps in the second epoch."""
+    done = lightfleet("experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not QUIET.search(console(done)) and "GPU available" not in console(done)
+    assert re.search(r"Epoch 1, step: 100%\|[^|]*\| 40/40", done.stdout), done.stdout[-2000:]
+    log = job_log(tmp_path / "run")
+    assert "GPU available" in log and "[py.warnings][WARNING]" in log  # Lightning's lines and the warnings
+    rich = lightfleet("experiment=quickstart", "trainer.max_steps=40", "callbacks=rich_progress_bar",
+                      "paths.output_dir=rich")
+    assert rich.returncode == 0, rich.stderr[-3000:]
+    assert "Epoch 1, step" in rich.stdout and "40/40" in rich.stdout and "/-2" not in rich.stdout, rich.stdout[-2000:]
+    loud = lightfleet("experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=loud", "hydra.verbose=true")
+    assert loud.returncode == 0 and "Warning" in console(loud) and "GPU available" in console(loud)
+
+
+def test_the_console_keeps_lightfleets_and_the_users_warnings_and_leaves_the_libraries_to_the_log():
+    shown = []
+    console = logging.Handler()
+    console.emit = lambda record: shown.append(record.getMessage())
+    console.addFilter(NotFromLibraries())
+    captured = logging.getLogger("py.warnings")
+    captured.addHandler(console)
+    try:
+        with warnings.catch_warnings():  # restores Python's own warning output afterwards
+            warnings.simplefilter("always")
+            logging.captureWarnings(True)
+            own([0, 1], "random generators", "each starts from the seed")  # plugins/resume.py: lightfleet's
+            warnings.warn("the user's own")  # this file: the user's code
+            warnings.warn_explicit("a library's", UserWarning, torch.__file__, 1)
+    finally:
+        logging.captureWarnings(False)
+        captured.removeHandler(console)
+    console.handle(logging.LogRecord("torch.distributed", logging.WARNING, torch.__file__, 1, "a library's", None, None))
+    console.handle(logging.LogRecord("runner.command", logging.ERROR, preflight.__file__, 1, "lightfleet's", None, None))
+    assert [line.splitlines()[0].split(": ", 2)[-1] for line in shown] == [
+        "the checkpoint holds the random generators of 2 ranks, this run has 1: each starts from the seed",
+        "the user's own", "lightfleet's"]

@@ -1,0 +1,88 @@
+"""Signals at the moments tests/test_preemption.py does not reach, through the real command: a
+command killed while its ranks are still starting takes them with it; SIGTERM before the first
+checkpoint says so truthfully and the printed `lightfleet resume RUN` starts the run again; Ctrl-C
+(SIGINT) is handled as SIGTERM, with exit status 130."""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from runner.rank.parent import INTERRUPTED, PREEMPTED
+from test_preemption import REACHED, rank_pids, start, wait_for, wait_gone
+
+
+def starting_ranks(run: Path, process: subprocess.Popen, count: int = 2) -> list:
+    """The pids of the command's ranks as soon as they exist (torch's elastic agent makes the run's
+    logs/ just before it starts them): still importing torch, seconds before their first step."""
+    wait_for(run / "logs", process)
+    while len(rank_pids(process.pid)) < count:
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    return rank_pids(process.pid)
+
+
+def logged_steps(run: Path) -> list:
+    """The steps at which the run logged its training loss (csv/metrics.csv)."""
+    with (run / "csv" / "metrics.csv").open() as rows:
+        return [int(row["step"]) for row in csv.DictReader(rows) if row["train_loss"]]
+
+
+def test_a_command_killed_while_its_ranks_start_takes_them_with_it(tmp_path):
+    process = start(tmp_path, "trainer.devices=2", "trainer.max_steps=400", "paths.output_dir=run")
+    ranks = starting_ranks(tmp_path / "run", process)
+    process.kill()
+    process.communicate(timeout=30)
+    wait_gone(ranks, within=30)
+    assert not (tmp_path / "run" / REACHED).exists()  # they never trained
+
+
+def test_sigterm_while_ranks_start_says_no_checkpoint_and_resume_starts_again(lightfleet, tmp_path):
+    run = tmp_path / "run"
+    process = start(tmp_path, "trainer.devices=2", "trainer.max_steps=6", "paths.output_dir=run")
+    starting_ranks(run, process)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == PREEMPTED and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"lightfleet: preempted by SIGTERM; no checkpoint was saved yet, so "
+                                            f"resuming starts the run again; continue with: lightfleet resume {run}")
+    assert not (run / "checkpoints" / "last.ckpt").exists()
+    failure = yaml.safe_load((run / "failure.yaml").read_text())
+    assert failure["status"] == "preempted" and failure["exit_code"] == PREEMPTED
+
+    resumed = lightfleet("resume", str(run), "paths.output_dir=resumed")  # the line, as a requeue script runs it
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "no checkpoints/last.ckpt yet: starting the run again" in resumed.stderr
+    assert yaml.safe_load((tmp_path / "resumed" / "results.yaml").read_text())["global_step"] == 6
+    assert logged_steps(tmp_path / "resumed")[0] == 0
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one_process", "two_processes"])
+def test_ctrl_c_checkpoints_as_sigterm_does_and_exits_130(lightfleet, tmp_path, ranks):
+    run = tmp_path / "run"
+    process = start(tmp_path, f"trainer.devices={ranks}", "paths.output_dir=run")
+    wait_for(run / REACHED, process)
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the command's whole process group
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == INTERRUPTED, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    step = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    assert 3 <= step < 40
+    at = f" at step {step}" if ranks == 1 else ""  # the elastic agent does not know the ranks' step
+    said = [line for line in err.splitlines() if line.startswith("lightfleet: ")]
+    assert said == [f"lightfleet: interrupted by SIGINT{at}; checkpoint saved in {run / 'checkpoints' / 'last.ckpt'}; "
+                    f"continue with: lightfleet resume {run}"], err
+    failure = yaml.safe_load((run / "failure.yaml").read_text())
+    assert failure["status"] == "preempted" and failure["exit_code"] == INTERRUPTED
+
+    resumed = lightfleet("resume", str(run), "paths.output_dir=resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert yaml.safe_load((tmp_path / "resumed" / "results.yaml").read_text())["global_step"] == 40
+    assert logged_steps(tmp_path / "resumed")[0] == step  # on from the checkpoint
