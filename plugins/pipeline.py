@@ -45,13 +45,15 @@ def build_pipeline(schedule_mode: str, micro_batch_size: int, accumulate_steps: 
                             shard_optimizer_states, **process_group_timeout(timeout_s))
 
 
-def split_stages(module: nn.Module, context: ModelContext, split_points: list[str]) -> list[str]:
+def split_stages(module: nn.Module, context: ModelContext, split_points: list[str], num_stages: int) -> list[str]:
     """The plan's pipeline phase: trace `module` into stages where `split_points` begin (balanced
     over its repeated blocks when empty) and keep this rank's; later transforms change those
-    stages. Returns the names where stages begin."""
+    stages. Returns the names where stages begin. `num_stages`, the plan's count, serves the
+    command's check of the model alone; a rank counts its stages from its process group."""
     strategy = context.strategy
-    if strategy is None:  # the model alone, checked in the command (runner/rank/build.py): the names only
-        stage_split_points(module, split_points, len(split_points) + 1)
+    if strategy is None:  # the model alone, checked in the command (runner/rank/build.py): no stage is built
+        stage_split_points(module, split_points, num_stages)
+        require_loss(module)
         return []
     if not isinstance(strategy, PipelineStrategy):
         raise ConfigError(KEY, None, f"the pipeline split needs the pipeline's Lightning strategy, not "
@@ -59,6 +61,12 @@ def split_stages(module: nn.Module, context: ModelContext, split_points: list[st
     names = strategy.split(module, split_points)
     context.parts = [stage.submod for stage in strategy.stages]  # forward only, the eval stages stay as traced
     return names
+
+
+def require_loss(model: nn.Module) -> None:
+    if not callable(getattr(model, "loss", None)):
+        raise ConfigError("model", type(model).__name__,
+                          "has no loss(outputs, targets) method, which the last pipeline stage calls per micro-batch")
 
 
 class PipelineStrategy(ModelParallelStrategy):
@@ -142,9 +150,7 @@ class PipelineStrategy(ModelParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             raise ConfigError(KEY, None, f"pipeline stages are built by trainer.fit only (which validates too), "
                                          f"not trainer.{trainer.state.fn}")
-        if not callable(getattr(self.lightning_module, "loss", None)):
-            raise ConfigError("model", type(self.lightning_module).__name__,
-                              "has no loss(outputs, targets) method, which the last pipeline stage calls per micro-batch")
+        require_loss(self.lightning_module)
         if self.schedule_mode == "ZBVZeroBubble" and dist.get_backend() == "gloo":
             raise ConfigError(f"{KEY}.schedule_mode", self.schedule_mode,
                               "fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a gloo "

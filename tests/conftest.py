@@ -15,6 +15,15 @@ from runner.config.checks import RunSpec, validate
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite trains on the CPU on purpose (2 processes over gloo, wherever it runs, so a
+    machine with one GPU passes it as a CPU machine does); only `-m gpu` (tests/test_gpu.py) sees
+    the GPUs. Set before torch first asks CUDA, in this process and every one it starts."""
+    expression = config.getoption("markexpr") or ""
+    if "gpu" not in expression or "not gpu" in expression:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """Tests train tiny models on a shared 2-core machine: one torch thread each is as fast, and

@@ -42,6 +42,12 @@ BY_HAND = [
     ["trainer.devices=true"], ["trainer.enable_progress_bar=1"], ["model._target_=torch.nn.Linear"],
     ["data._target_=runner.models.MLPClassifier"], ["model._target_=collections.OrderedDict"], ["model=gpt"],
     ["model=resnet"], ["logger=wandb"], ["logger=mlflow"], ["--cgf", "job"], ["-x"], ["--cfg"],
+    # pipelines the model or torch's schedules cannot run: more stages than blocks, ZBV on gloo, clipping
+    ["strategy=[pipeline]", "trainer.devices=2", "strategy.pipeline.schedule_mode=Interleaved1F1B",
+     "strategy.pipeline.vpp_degree=2"],
+    ["strategy=[pipeline]", "trainer.devices=2", "strategy.pipeline.schedule_mode=ZBVZeroBubble",
+     "strategy.pipeline.vpp_degree=2"],
+    ["strategy=[pipeline]", "trainer.devices=2", "trainer.gradient_clip_val=1.0"],
 ]
 
 

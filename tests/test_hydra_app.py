@@ -167,6 +167,20 @@ def test_optuna_sweep_of_three_trials(lightfleet, tmp_path):
     assert math.isclose(best["best_value"], min(losses.values()), rel_tol=1e-6)
 
 
+def test_a_refused_trial_is_optunas_worst_and_the_sweep_goes_on_to_the_best_of_the_others(lightfleet, tmp_path):
+    done = lightfleet("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=1",
+                      "hydra.sweeper.sampler.seed=0", "model.hidden_dim=choice(0,16)",  # 0: refused before it starts
+                      "optimized_metric=val_loss", "paths.sweep_dir=sweep", *QUICK, "trainer.val_check_interval=6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    refused = [job for job in sweep.iterdir() if (job / "refused.yaml").exists()]
+    losses = [read(job / "results.yaml")["val_loss"] for job in sweep.iterdir() if (job / "results.yaml").exists()]
+    assert refused and losses  # the seed gives both kinds of trial
+    # A refused trial gives +inf (the sweep minimises): not a loss of 0 that would win the sweep,
+    # nor a NaN on which this Optuna sweeper ends the sweep.
+    assert math.isclose(read(sweep / "optimization_results.yaml")["best_value"], min(losses), rel_tol=1e-6)
+
+
 def test_refused_additions_and_sweeps_leave_nothing_behind(lightfleet, tmp_path):
     added = lightfleet("+trainer.max_stepz=3")
     assert added.returncode == 2 and "trainer has no key 'max_stepz' (did you mean max_steps?)" in added.stderr

@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 import yaml
 
-from runner.rank.preemption import PREEMPTED
+from runner.rank.parent import PREEMPTED
 from test_resume import assert_same_end
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

@@ -66,16 +66,21 @@ CASES = {
     "ddp": (["trainer.devices=2"], 10),
     "ddp_epoch_end": (["trainer.devices=2"], 8),
     "single": (["trainer.devices=1"], 10),
-    # Dropout draws from every rank's generators; the user's loader shuffles with its own.
+    # Dropout and the noise draw from every rank's generators; the user's loader shuffles with its own.
     "user_model": (["--config-dir", "user", "model=user_net", "trainer.devices=2"], 10),
     "user_model_and_data": (["--config-dir", "user", "model=user_net", "data=user_data", "trainer.devices=1"], 10),
 }
 
 # A user's code, written in the tests so that nothing of lightfleet's is in it: test_hydra_app's
-# model (nested blocks, batch norm) with dropout in its blocks, and a data module of the user's.
+# model (nested blocks, batch norm) with dropout in its blocks and an input noise drawn from
+# numpy's and Python's generators, and a data module of the user's.
 BLOCK_BODY = "nn.BatchNorm1d(width), nn.ReLU())"
-assert USER_MODEL.count(BLOCK_BODY) == 1
-USER_CODE = USER_MODEL.replace(BLOCK_BODY, "nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.3))") + textwrap.dedent('''
+STEP_BODY = "x, y = batch\n        loss = "
+assert USER_MODEL.count(BLOCK_BODY) == USER_MODEL.count(STEP_BODY) == 1
+USER_CODE = "import random\n\nimport numpy\n" + USER_MODEL.replace(
+    BLOCK_BODY, "nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.3))").replace(
+    STEP_BODY, "x, y = batch\n        x = x * (1 + 0.1 * numpy.random.rand() + 0.1 * random.random())\n        loss = "
+) + textwrap.dedent('''
 
     from torch.utils.data import TensorDataset
     from torchdata.stateful_dataloader import StatefulDataLoader

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import csv
 import os
+import random
 import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from runner.config.compat import EXPERIMENTS_DIR
@@ -184,9 +186,19 @@ def test_an_error_in_the_users_code_is_one_line_naming_the_full_traceback(lightf
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A free port below the kernel's ephemeral range: every other run of the suite binds port 0
+    (Lightning's launcher, torch's stores), which never hands one of these out, so none can take it
+    between this check and node 0's bind."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for port in random.Random(os.getpid()).sample(range(20000, low), 50):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 20000-{low}")
 
 
 def test_two_nodes_rendezvous_and_keep_separate_records(tmp_path):
@@ -253,3 +265,34 @@ def test_data_that_does_not_divide_by_the_ranks_finishes_on_every_rank(lightflee
     assert done.returncode == 0, done.stderr[-3000:]
     assert read(tmp_path / "run" / "results.yaml")["global_step"] == 8
     assert sorted(p.parent.name for p in (tmp_path / "run" / "logs").glob("*/attempt_0/*/stderr.log")) == ["0", "1"]
+
+
+def test_the_seed_decides_the_initial_weights(lightfleet, tmp_path):
+    losses = {}
+    for seed in (1, 2):
+        done = lightfleet(f"seed={seed}", f"paths.output_dir=seed{seed}", *fast())
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[seed] = first_logged_loss(tmp_path / f"seed{seed}")
+    assert losses[1] != losses[2]  # the data's own seed (data.seed) is the same in both
+
+
+def first_logged_loss(run: Path) -> float:
+    with (run / "csv" / "metrics.csv").open() as metrics:
+        return next(float(row["train_loss"]) for row in csv.DictReader(metrics) if row.get("train_loss"))
+
+
+def test_two_processes_validate_on_the_whole_set_and_eval_trains_nothing(lightfleet, tmp_path):
+    done = lightfleet("trainer.devices=2", "paths.output_dir=trained", *fast())
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = read(tmp_path / "trained" / "results.yaml")
+    val_loss = {}
+    for devices in (1, 2):
+        done = lightfleet("eval", "trained", f"trainer.devices={devices}", f"hydra.run.dir=eval{devices}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        results = read(tmp_path / f"eval{devices}" / "results.yaml")
+        assert results["global_step"] in (0, trained["global_step"]) and "train_loss" not in results
+        assert not (tmp_path / f"eval{devices}" / "checkpoints").exists()
+        val_loss[devices] = results["val_loss"]
+    # 512 validation samples, 4 batches of 64 on each of 2 ranks: the mean over both ranks is the
+    # mean over the whole set, which one process computes alone.
+    assert val_loss[2] == pytest.approx(val_loss[1], rel=1e-5)

@@ -4,8 +4,8 @@ Hydra has made the job's directory (`hydra.runtime.output_dir`) and its log file
 the command's preflight of it (runner/command/preflight.py; a job the command never saw, one a
 sweeper such as Optuna chose, runs the preflight's job stages itself), records
 config, plan and environment there and launches its processes (runner/command/launch.py). It returns
-the run's `optimized_metric` for sweepers that optimise one, and NaN for a job that could not run
-(Optuna marks that trial failed and goes on).
+the run's `optimized_metric` for sweepers that optimise one, and for a job that could not run the
+worst value of the sweep's direction (`no_result`), so that Optuna goes on and steers away from it.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import math
 import shutil
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -72,7 +73,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
         shutil.rmtree(records)  # only Hydra's files: the job never started; it leaves its reason
         records.mkdir()
         write_yaml(records / files.REFUSED_YAML, {"overrides": command, "reason": str(problem)})
-        return math.nan
+        return no_result()
     spec.cfg.paths.output_dir, spec.cfg.paths.sweep_dir = str(records), hydra.sweep.dir
     spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
     print(f"lightfleet: job {hydra.job.num}: {' '.join(command)}", flush=True)
@@ -81,13 +82,13 @@ def run_job(cfg: DictConfig) -> Optional[float]:
         code = launch(spec, plan, command, records)
         if code in STOPPED:  # the sweep stops with its job, as a run does
             sys.exit(code)
-        return objective(spec, records) if code == 0 else math.nan
+        return objective(spec, records) if code == 0 else no_result()
     except ConfigError as error:  # e.g. a module name only the built model can reject
         print(f"lightfleet: job {hydra.job.num} error: {error}", file=sys.stderr)
     except Exception as error:  # the job's own code failed in this process: the sweep goes on
         log_to_file_only(f"job {hydra.job.num} failed")
         print(f"lightfleet: job {hydra.job.num} failed: {error_line(error)}; traceback in {records / (hydra.job.name + '.log')}", file=sys.stderr)
-    return math.nan
+    return no_result()
 
 
 def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> int:
@@ -168,6 +169,16 @@ def last_error_line(logs: Path, local_rank: int) -> str:
         if lines:
             return lines[-1].split(":", 1)[1].strip() if lines[-1].startswith("[rank") else lines[-1].strip()
     return "no error message (see the rank logs)"
+
+
+def no_result() -> float:
+    """What a job that could not run gives its sweeper: the worst value of an optimising sweeper's
+    `direction` (+inf when minimising), NaN for the others. Not NaN for Optuna: with
+    hydra-optuna-sweeper 1.3 and optuna 2.10 one NaN ends the whole sweep with a traceback (the
+    sweeper's study.tell raises on it, then again when it marks the trial failed)."""
+    direction = HydraConfig.get().sweeper.get("direction")
+    worst = {"minimize": math.inf, "maximize": -math.inf}
+    return worst.get(getattr(direction, "name", direction), math.nan) if isinstance(direction, (str, Enum)) else math.nan
 
 
 def objective(spec: RunSpec, records: Path) -> Optional[float]:

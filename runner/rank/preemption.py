@@ -20,7 +20,7 @@ from typing import Any, Optional
 import pytorch_lightning as pl
 import torch
 
-from runner.rank.parent import PREEMPTED, exit_status  # noqa: F401 (PREEMPTED: runner/rank/train.py's)
+from runner.rank.parent import exit_status
 from runner.records.files import LAST_CHECKPOINT
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

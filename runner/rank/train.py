@@ -137,17 +137,17 @@ def report_failure(records: Path, error: Exception) -> int:
 
 def main(records: Path) -> None:
     """One rank of a run (`python -m runner.train RUN_DIR`, started by runner/command/launch.py)."""
-    from runner.rank.preemption import PREEMPTED, Preempted
+    from runner.rank.preemption import Preempted
 
     with exit_on_user_error():
         try:
             train_from(records)
         except (ConfigError, Refusal):
             raise
-        except Preempted:  # the checkpoint is written: leave as below, with the preemption's status
+        except Preempted as stopped:  # the checkpoint is written: leave as below, 143 or (Ctrl-C) 130
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(PREEMPTED)
+            os._exit(stopped.code)
         except Exception as failure:  # noqa: BLE001 (whatever the user's code raises)
             sys.exit(report_failure(records, failure))
     # Everything is written (results, checkpoints, loggers finalised). Interpreter teardown would

@@ -103,10 +103,21 @@ class PipelineConfig(Strategy):
                 f"Interleaved1F1B runs rounds of {processes} micro-batches: use a multiple of {processes} "
                 f"or fewer than {2 * processes}")
 
+    def check_backend(self, run: RunShape) -> None:
+        """What torch's pipelining cannot run on this machine or with these trainer arguments."""
+        require(self.schedule_mode != "ZBVZeroBubble" or run.device_type == "cuda", KEY + "schedule_mode",
+                self.schedule_mode, "fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a "
+                                    "gloo pair not connected; use it on CUDA (nccl) or choose 1F1B, GPipe or "
+                                    "Interleaved1F1B")
+        clip = getattr(run.trainer, "gradient_clip_val", None)
+        require(not clip, "trainer.gradient_clip_val", clip,
+                "is not supported with strategy pipeline: each rank would clip its stages by their own norm")
+
     def contribute(self, run: RunShape) -> Contribution:
         # Alone, the pipeline spans every process; sharding may arrange replicas of it.
         processes = run.layout or Layout(pp=run.world.known_size("pipeline"))
         self.check_micro_batches(processes.pp)
+        self.check_backend(run)
         micro_batch_size = self.micro_batch(run.batch_size)
         kwargs = {"schedule_mode": self.schedule_mode, "micro_batch_size": micro_batch_size,
                   "accumulate_steps": self.accumulate_steps, "vpp_degree": self.vpp_degree,
@@ -115,7 +126,8 @@ class PipelineConfig(Strategy):
         return Contribution(
             lightning_strategy=Component("plugins.pipeline:build_pipeline", kwargs),
             model_transforms=[("pipeline", Component("plugins.pipeline:split_stages",
-                                                     {"split_points": list(self.split_points)}))],
+                                                     {"split_points": list(self.split_points),
+                                                      "num_stages": processes.pp * self.vpp_degree}))],
             # accumulate_steps micro-batches already make one optimizer step.
             trainer_args={"accumulate_grad_batches": 1},
             notes=["pipeline: the model's training_step and validation_step are bypassed; each rank builds the "

@@ -199,3 +199,18 @@ WIRING = [
     # A budget spent at once: the first trial starts, no other.
     WiringCase({"budget_s": Knob(0.001, lambda run: len(trials(run)), expected=1)}, from_run_dir=True),
 ]
+
+
+def test_the_facts_count_the_activations_one_batch_saves():
+    from plugins.auto import gather_facts
+    from runner.data import SyntheticClassificationData
+    from runner.models import MLPClassifier
+
+    def activations(batch: int) -> int:
+        return gather_facts(MLPClassifier, SyntheticClassificationData(batch_size=batch), device="cpu", world_size=1,
+                            num_nodes=1, batch_size=batch, device_memory_gb=None).activation_bytes
+
+    # At least the float32 input of every Linear (the stem's 32 features, 2 x 64 in each of 3 blocks),
+    # and in proportion to the batch.
+    assert activations(32) >= 32 * 4 * (32 + 3 * 2 * 64)
+    assert activations(64) == pytest.approx(2 * activations(32), rel=1e-3)  # the loss: a few scalars

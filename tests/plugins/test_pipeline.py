@@ -151,7 +151,7 @@ def run(name, schedule, steps, vpp=1, micro=MICRO, accumulate=ACCUMULATE, batch_
     else:
         model = MLPClassifier(num_blocks=4, optimizer=sgd)
     # The plan's model transforms: the split, then recompute of the stages' blocks.
-    transforms = [(split_stages, {"split_points": []})]
+    transforms = [(split_stages, {"split_points": [], "num_stages": 2 * vpp})]
     if recompute:
         transforms.append((apply_recompute, {"checkpoints": [], "enable_offload": False}))
     transform_in_configure_model(model, transforms)
@@ -267,6 +267,41 @@ def test_unsplittable_models_are_refused(model, split_points, stages, message):
         stage_split_points(model, split_points, stages)
     assert error.value.key == "strategy.pipeline.split_points"
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# A user's model with blocks but no loss(outputs, targets), which the last stage would call.
+NO_LOSS_MODEL = """
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+
+class NoLoss(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+
+def test_a_model_without_loss_is_refused_in_the_command(lightfleet, tmp_path):
+    (tmp_path / "no_loss.py").write_text(NO_LOSS_MODEL)
+    (tmp_path / "configs" / "model").mkdir(parents=True)
+    (tmp_path / "configs" / "model" / "no_loss.yaml").write_text("_target_: no_loss.NoLoss\n")
+    done = lightfleet("--config-dir", "configs", "model=no_loss", "strategy=[pipeline]", "trainer.devices=2")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("lightfleet: error: model='NoLoss': has no loss(outputs, targets) method")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["configs", "no_loss.py"]  # nothing created
 
 
 # --------------------------------------------------------------------------- 2 processes

@@ -92,16 +92,18 @@ class Probe(pl.Callback):
 
 
 class ReduceScatterCount:
-    # Counts FSDP2's gradient reduce-scatters (the real collective runs): FSDP calls
-    # torch.distributed.reduce_scatter_single through the module attribute.
+    # Counts FSDP2's gradient reduce-scatters and notes the dtypes they reduce in (the real
+    # collective runs): FSDP calls torch.distributed.reduce_scatter_single through the module attribute.
 
     def __init__(self):
         self.calls = 0
+        self.dtypes = set()
         self._real = dist.reduce_scatter_single
         dist.reduce_scatter_single = self._count
 
     def _count(self, *args, **kwargs):
         self.calls += 1
+        self.dtypes.update(str(arg.dtype) for arg in args if isinstance(arg, torch.Tensor))
         return self._real(*args, **kwargs)
 
 
@@ -120,7 +122,7 @@ def run(name, plan, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=
         model.configure_optimizers = lambda: replace_optimizer(configure(), model, lamb_weight_decay=0.1,
                                                                exclude_from_weight_decay=EXCLUDED)
     probe = Probe()
-    REDUCE_SCATTERS.calls = 0
+    REDUCE_SCATTERS.calls, REDUCE_SCATTERS.dtypes = 0, set()
     callbacks = [probe, EpochEndPosition()]  # as lightfleet's runs have
     if checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, filename="half", every_n_train_steps=HALF))
@@ -135,6 +137,7 @@ def run(name, plan, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=
     optimizer = local_optimizer(trainer)
     names = {id(p): n for n, p in model.named_parameters()}
     record = {"losses": probe.losses, "memory": probe.memory, "reduce_scatters": REDUCE_SCATTERS.calls,
+              "reduce_dtypes": sorted(REDUCE_SCATTERS.dtypes),
               "params": {n: full(p) for n, p in model.named_parameters()},
               "numel": sum(full(p).numel() for p in model.parameters()),
               "dtypes": sorted(map(str, dtypes)), "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -315,10 +318,11 @@ def test_gradient_accumulation_reduces_once_per_step_and_equals_ddp(runs):
             torch.testing.assert_close(mine["params"][key], value, rtol=1e-5, atol=1e-5)
 
 
-def test_float16_amp_gathers_half_parameters_and_keeps_float32_shards(runs):
+def test_float16_amp_gathers_half_parameters_keeps_float32_shards_and_reduces_in_float32(runs):
     for rank in runs["fp16_stage2"]:
         assert rank["dtypes"] == ["torch.float16"]
         assert rank["param_dtypes"] == ["torch.float32"]
+        assert rank["reduce_dtypes"] == ["torch.float32"]  # float16 sums of gradients would lose precision
         assert all(torch.isfinite(torch.tensor(rank["losses"])))
 
 

@@ -6,11 +6,15 @@ import dataclasses
 from datetime import timedelta
 
 import pytest
+import pytorch_lightning as pl
 import torch
+from torch import nn
 
 from plugins.collective import CollectiveSetup
 from plugins.resume import EpochEndPosition, RandomStates
+from plugins.transforms import transform_in_configure_model
 from runner.config.checks import plan_for
+from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
 from runner.rank.build import build, replace_optimizers
 from runner.rank.measure import RunMeter
@@ -72,3 +76,27 @@ def test_build_applies_what_the_plan_names_and_nothing_else(spec_for, tmp_path):
     strategy = built.trainer.strategy
     assert strategy._timeout != timedelta(seconds=30) and "bucket_cap_mb" not in strategy._ddp_kwargs
     assert not built.model.configure_optimizers().param_groups[0]["foreach"]
+
+
+class LateLayers(MLPClassifier):
+    """A user's model that makes a layer in its own configure_model (Lightning's hook for that)."""
+
+    def configure_model(self):
+        if not hasattr(self, "late"):
+            self.late = nn.Linear(4, 4)
+
+
+def test_the_plans_transforms_see_what_the_models_own_configure_model_made(tmp_path):
+    seen = []
+
+    def record(module, context):
+        seen.append(hasattr(module, "late"))
+        return []
+
+    model = LateLayers()
+    transform_in_configure_model(model, [(record, {})])
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    trainer.fit(model, SyntheticClassificationData())
+    assert seen == [True]  # once, after the model's own

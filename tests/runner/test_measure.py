@@ -8,12 +8,16 @@ import time
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import yaml
+from pytorch_lightning.plugins.precision import MixedPrecision
 from torch.utils.flop_counter import FlopCounterMode
 
+from runner.data import SyntheticClassificationData
+from runner.models import GPTDecoder, MLPClassifier
+from runner.rank import measure
 from runner.rank.measure import RankFigures, RunMeter, peak_flops, percentile
-from runner.models import GPTDecoder
 
 STEPS = 30
 QUIET = ("trainer.enable_progress_bar=false", "trainer.log_every_n_steps=5", f"trainer.max_steps={STEPS}")
@@ -25,13 +29,13 @@ def results(run: Path) -> dict:
 
 def test_single_process_figures_agree_with_the_steps_and_the_clock(lightfleet, tmp_path):
     started = time.time()
-    done = lightfleet("model=gpt", "data=language_model", "paths.output_dir=run", *QUIET)
+    done = lightfleet("model=gpt", "data=language_model", "paths.output_dir=run", "measure.warmup_steps=3", *QUIET)
     elapsed = time.time() - started
     assert done.returncode == 0, done.stderr[-3000:]
     figures = results(tmp_path / "run")
     batch, seq_len = 32, 32  # conf/data/language_model.yaml
     assert figures["samples_seen"] == STEPS * batch and figures["global_batch"] == batch
-    assert figures["measured_steps"] == STEPS - figures["warmup_steps"]
+    assert figures["warmup_steps"] == 3 and figures["measured_steps"] == STEPS - 3
     # The whole command, timed by the test, took longer than what the run says it spent.
     assert 0 < figures["startup_s"] < figures["wall_s"] <= elapsed
     assert figures["train_s"] < figures["wall_s"]
@@ -137,3 +141,23 @@ def test_peak_flops_by_gpu_name_and_dtype(monkeypatch, name, dtype, flops):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda", 0), dtype) == pytest.approx(flops)
     assert peak_flops(torch.device("cpu"), dtype) is None
+
+
+# float16 autocast on CPU as strategy=[amp] asks for it (Lightning's "16-mixed" string means bf16 on CPUs).
+@pytest.mark.parametrize("precision, dtype", [({"precision": "bf16-mixed"}, torch.bfloat16),
+                                              ({"precision": "32-true"}, torch.float32),
+                                              ({"plugins": [MixedPrecision("16-mixed", "cpu")]}, torch.float16)],
+                         ids=["bf16", "float32", "float16"])
+def test_mfu_is_taken_against_the_peak_of_the_dtype_the_run_computes_in(monkeypatch, tmp_path, precision, dtype):
+    # A device table of the test's own (CPUs have none in torch's or Lightning's): a peak per dtype.
+    peaks = {torch.bfloat16: 4e12, torch.float16: 3e12, torch.float32: 1e12}
+    monkeypatch.setattr(measure, "peak_flops", lambda device, computes_in: peaks[computes_in])
+    meter = RunMeter(warmup_steps=1)
+    model = MLPClassifier()
+    model.flops_per_sample = 1e6
+    trainer = pl.Trainer(accelerator="cpu", devices=1, **precision, max_steps=3, callbacks=[meter],
+                         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, SyntheticClassificationData())
+    assert meter.summary["peak_flops_per_device"] == peaks[dtype]
+    assert meter.summary["mfu"] == pytest.approx(1e6 * meter.summary["samples_per_s"] / peaks[dtype])

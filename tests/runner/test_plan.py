@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+import yaml
 
 from runner.config.checks import plan_for
 from runner.config.collective import BuildStrategyConfig, CollectiveConfig, ExecutionStrategyConfig
@@ -19,6 +21,7 @@ from runner.strategies.recompute import RecomputeConfig
 from runner.strategies.sharding import ShardingConfig
 
 
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 COMPILING = CollectiveConfig(build_strategy=BuildStrategyConfig(fuse_elewise_add_act_ops=True))
 
 
@@ -293,3 +296,11 @@ def test_cudnn_exhaustive_search_against_trainer_benchmark_false_is_refused_by_t
     for benchmark in ("true", "null"):
         plan = plan_for(spec_for("collective.cudnn_exhaustive_search=true", f"trainer.benchmark={benchmark}"))
         assert plan.trainer_args["benchmark"] == {"value": True, "by": "collective"}
+
+
+@pytest.mark.parametrize("experiment", sorted(path.stem for path in EXPERIMENTS.glob("*.yaml")))
+def test_every_shipped_experiments_plan_holds_exactly_the_strategies_its_file_names(spec_for, experiment):
+    defaults = yaml.safe_load((EXPERIMENTS / f"{experiment}.yaml").read_text()).get("defaults", [])
+    named = next((entry["override /strategy"] for entry in defaults
+                  if isinstance(entry, dict) and "override /strategy" in entry), [])
+    assert sorted(plan_for(spec_for(f"experiment={experiment}")).strategies) == sorted(named)

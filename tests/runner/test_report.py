@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional
 import pytest
 import yaml
 
-from runner.records.jobs import Job, read_loss_curve
-from runner.records.plots import pareto_front
+from runner.records.jobs import Job, read_job, read_loss_curve
+from runner.records.plots import draw_throughput_memory, pareto_front
 from runner.records.report import main
 from runner.records.table import differing_knobs
 
@@ -196,3 +196,17 @@ def test_the_loss_curve_skips_rows_that_logged_no_train_loss(tmp_path):
     job = make_job(tmp_path / "run", samples_per_s=1.0)
     assert read_loss_curve(job / "csv" / "metrics.csv") == [(9.0, 1.25), (19.0, 0.75)]
     assert read_loss_curve(tmp_path / "missing.csv") == []
+
+
+def test_the_memory_plot_puts_memory_across_and_throughput_up(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    jobs = [read_job(make_job(tmp_path / name, samples_per_s=rate, peak_memory_mb=memory), name)
+            for name, rate, memory in (("small", 50.0, 100.0), ("big", 400.0, 3000.0))]
+    figure, axes = pyplot.subplots()
+    draw_throughput_memory(axes, jobs)
+    assert "memory" in axes.get_xlabel() and "throughput" in axes.get_ylabel()
+    assert axes.collections[0].get_offsets().tolist() == [[100.0, 50.0], [3000.0, 400.0]]
+    pyplot.close(figure)

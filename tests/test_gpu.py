@@ -1,0 +1,88 @@
+"""`python -m pytest -m gpu`: the CUDA paths through the real command, on a machine with an NVIDIA
+GPU (skipped without one). The rest of the suite trains on the CPU on purpose, wherever it runs:
+tests/conftest.py hides the GPUs from it unless `-m gpu` selects these tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import yaml
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ONE_GPU = ("trainer.accelerator=gpu", "trainer.devices=1", "trainer.max_steps=20", "trainer.enable_progress_bar=false",
+           "paths.output_dir=run", "+callbacks.probe._target_=test_gpu.CudaProbe")
+
+
+class CudaProbe(pl.Callback):
+    """What rank 0 trained with, written into probe.json in the run directory at the end."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.dtypes = set()
+        first = next(module for module in pl_module.modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)))
+        first.register_forward_hook(lambda module, args, output: self.dtypes.add(str(output.dtype)))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank:
+            return
+        device = trainer.strategy.root_device
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        seen: Dict[str, Any] = {
+            "device": str(device), "backend": dist.get_backend() if dist.is_initialized() else None,
+            "forward_dtypes": sorted(self.dtypes), "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "memory_fraction": torch.cuda.get_per_process_memory_fraction(device),
+            "scaler": [cls.__module__ + "." + cls.__name__ for cls in type(scaler).__mro__] if scaler else [],
+            "scale": float(scaler.get_scale()) if scaler else None}
+        Path(trainer.default_root_dir, "probe.json").write_text(json.dumps(seen))
+
+
+def trained(lightfleet, tmp_path: Path, *overrides: str) -> Dict[str, Any]:
+    done = lightfleet(*ONE_GPU, *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    return {"probe": json.loads((run / "probe.json").read_text()),
+            "results": yaml.safe_load((run / "results.yaml").read_text())}
+
+
+def test_sharding_stage_3_trains_over_nccl_and_reports_cuda_memory(lightfleet, tmp_path):
+    run = trained(lightfleet, tmp_path, "strategy=[sharding]", "strategy.sharding.stage=3")
+    assert run["probe"]["device"].startswith("cuda") and run["probe"]["backend"] == "nccl"
+    results = run["results"]
+    assert results["device"] == torch.cuda.get_device_name(0)
+    assert 0 < results["peak_memory_mb"] <= results["peak_reserved_mb"]
+    assert results["train_loss"] == results["train_loss"]  # not NaN
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP over nccl needs 2 GPUs")
+def test_ddp_over_nccl_in_two_processes(lightfleet, tmp_path):
+    run = trained(lightfleet, tmp_path, "trainer.devices=2")
+    assert run["probe"]["backend"] == "nccl" and run["results"]["world_size"] == 2
+
+
+def test_float16_amp_uses_the_real_grad_scaler_and_backs_off_on_overflow(lightfleet, tmp_path):
+    # 2^40 overflows float16 gradients: the scaler halves the scale after every 2 overflowing steps.
+    run = trained(lightfleet, tmp_path, "strategy=[amp]", "strategy.amp.init_loss_scaling=1099511627776")
+    probe = run["probe"]
+    assert probe["forward_dtypes"] == ["torch.float16"]
+    assert "torch.amp.grad_scaler.GradScaler" in probe["scaler"] and probe["scaler"][0] == "plugins.amp.FleetGradScaler"
+    assert probe["scale"] < 2.0 ** 40
+
+
+def test_bf16_autocast_and_mfu_against_the_gpus_bf16_peak(lightfleet, tmp_path):
+    run = trained(lightfleet, tmp_path, "strategy=[amp]", "strategy.amp.dtype=bfloat16", "model=gpt",
+                  "data=language_model")
+    assert run["probe"]["forward_dtypes"] == ["torch.bfloat16"] and run["probe"]["scale"] in (None, 1.0)
+    results = run["results"]
+    if results["peak_flops_per_device"] is not None:  # a GPU in Lightning's table or ours
+        assert 0 < results["mfu"] < 1
+
+
+def test_cudnn_benchmark_and_the_memory_fraction_apply(lightfleet, tmp_path):
+    run = trained(lightfleet, tmp_path, "model=resnet", "data=images", "collective.cudnn_exhaustive_search=true",
+                  "collective.gpu_memory_fraction=0.5")
+    assert run["probe"]["cudnn_benchmark"] is True and run["probe"]["memory_fraction"] == 0.5
