@@ -1,6 +1,7 @@
 """Mutation check: do the tests catch realistic bugs in the strategies?
 
-Copies the project (runner/, plugins/, conf/, experiments/, tests/, bench/, pyproject.toml) into a
+Copies the project (runner/, plugins/, conf/, experiments/, tests/, bench/, docs/, README.md,
+pyproject.toml) into a
 temporary directory once, then plants each mutant below there, one at a time (an exact `old` text,
 which must occur once in its file, replaced by `new`), runs its pytest selection with cwd and
 PYTHONPATH the copy, and restores the file. A mutant is caught when a selected test fails.
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("runner", "plugins", "conf", "experiments", "tests", "bench", "pyproject.toml")
+COPIED = ("runner", "plugins", "conf", "experiments", "tests", "bench", "docs", "README.md", "pyproject.toml")
 PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
 TIMEOUT_S = 15 * 60  # per mutant (per selection step with --baseline)
 
@@ -280,7 +281,7 @@ MUTANTS = [
            "export leaves out knobs at lightfleet's default where Fleet's default differs",
            "runner/fleet/export_fleet.py", "    if value != default or fleet_value != fleet_default(field):\n",
            "    if value != default:\n",
-           (select("tests/runner/test_fleet.py"),)),
+           (select("tests/runner/test_fleet.py", "import_of_an_export"),)),
     Mutant("measure-warmup-ignored", "runner", "measure.warmup_steps does not reach the meter (always 5)",
            "runner/config/checks.py", '{"warmup_steps": measure.warmup_steps}', "{}",
            (select("tests/runner/test_measure.py", "single_process"),)),

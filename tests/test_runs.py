@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import yaml
 
 from runner.config.compat import EXPERIMENTS_DIR
@@ -86,19 +87,34 @@ def test_sweep_of_two_combinations_in_two_processes_skips_refused_jobs(lightflee
     assert "| lamb+lars | refused:" in done.stdout
 
 
+class FailingStep(pl.Callback):
+    """The user's code failing mid-run, in a rank: what the command cannot foresee."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_step == self.at_step:
+            raise RuntimeError(f"the user's callback failed at step {self.at_step}")
+
+
+FAILING = ("+callbacks.fail._target_=test_runs.FailingStep", "+callbacks.fail.at_step=2")
+FAILED = "RuntimeError: the user's callback failed at step 2"
+
+
 def test_a_failed_job_is_recorded_and_the_sweep_goes_on(lightfleet, tmp_path):
-    """The GPT cannot read the classification data: job 0 fails in the sweep's own process, the
-    next job still runs, the report has both, and the sweep's exit status says one failed."""
-    done = lightfleet("-m", "model=gpt,mlp", "paths.sweep_dir=sweep", *fast())
+    """Job 0 fails in the sweep's own process at step 2, the next job still runs (its callback
+    would fail at a step it never reaches), the report has both, and the sweep's exit status says one failed."""
+    done = lightfleet("-m", FAILING[0], "+callbacks.fail.at_step=2,100", "paths.sweep_dir=sweep", *fast())
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert "lightfleet: job 0 failed: RuntimeError: Expected tensor" in done.stderr
+    assert f"lightfleet: job 0 failed: {FAILED}" in done.stderr
     failure = read(tmp_path / "sweep" / "0" / "failure.yaml")
-    assert failure["status"] == "failed" and failure["exit_code"] == 1 and "Expected tensor" in failure["error"]
+    assert failure["status"] == "failed" and failure["exit_code"] == 1 and FAILED in failure["error"]
     assert "Traceback" in (tmp_path / "sweep" / "0" / "lightfleet.log").read_text()
     assert read(tmp_path / "sweep" / "1" / "results.yaml")["global_step"] == 12
     with open(tmp_path / "sweep" / "report.csv") as report:
         statuses = {row["job"]: row["status"] for row in csv.DictReader(report)}
-    assert statuses["1"] == "ok" and statuses["0"].startswith("failed (exit 1): RuntimeError: Expected tensor")
+    assert statuses["1"] == "ok" and statuses["0"].startswith(f"failed (exit 1): {FAILED}")
     assert [job["status"] for job in read(tmp_path / "sweep" / "sweep.yaml")["jobs"].values()] == ["failed", "finished"]
 
 
@@ -155,11 +171,12 @@ def test_a_rank_that_refuses_stops_every_rank_with_status_2_and_its_reason(light
 
 
 def test_a_failed_two_process_job_is_recorded_and_the_sweep_goes_on_and_is_never_rewritten(lightfleet, tmp_path):
-    done = lightfleet("-m", "model=gpt,mlp", "trainer.devices=2", "paths.sweep_dir=sweep", *fast())
+    done = lightfleet("-m", FAILING[0], "+callbacks.fail.at_step=2,100", "trainer.devices=2", "paths.sweep_dir=sweep",
+                      *fast())
     assert done.returncode == 1 and "Traceback" not in done.stderr
     jobs = read(tmp_path / "sweep" / "sweep.yaml")["jobs"]
     assert [job["status"] for job in jobs.values()] == ["failed", "finished"]
-    assert "RuntimeError: Expected tensor" in jobs["0"]["error"]
+    assert FAILED in jobs["0"]["error"]
     before = (tmp_path / "sweep" / "sweep.yaml").read_text()
     again = lightfleet("-m", "model=mlp", "paths.sweep_dir=sweep", *fast())
     assert again.returncode == 2 and again.stderr == (f"lightfleet: error: paths.sweep_dir='{tmp_path / 'sweep'}': "
@@ -168,20 +185,17 @@ def test_a_failed_two_process_job_is_recorded_and_the_sweep_goes_on_and_is_never
 
 
 def test_an_error_in_the_users_code_is_one_line_naming_the_full_traceback(lightfleet, tmp_path):
-    """A model that does not fit the data: exit 1, the error in one line, its traceback in a file."""
-    single = lightfleet("model.input_dim=7", "paths.output_dir=one", *fast())
+    """The user's code failing mid-run: exit 1, the error in one line, its traceback in a file."""
+    single = lightfleet(*FAILING, "paths.output_dir=one", *fast())
     assert single.returncode == 1 and "Traceback" not in single.stderr
     log = tmp_path / "one" / "lightfleet.log"
-    assert single.stderr.strip().splitlines() == [
-        f"lightfleet: run failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x32 and 7x64); "
-        f"traceback in {log}"]
+    assert single.stderr.strip().splitlines() == [f"lightfleet: run failed: {FAILED}; traceback in {log}"]
     assert "Traceback" in log.read_text()
-    two = lightfleet("model.input_dim=7", "trainer.devices=2", "paths.output_dir=two", *fast())
+    two = lightfleet(*FAILING, "trainer.devices=2", "paths.output_dir=two", *fast())
     assert two.returncode == 1 and "Traceback" not in two.stderr + two.stdout
     traceback = tmp_path / "two" / "logs" / "traceback.rank0.txt"
     assert two.stderr.strip().splitlines()[-1].startswith(
-        f"lightfleet: run failed: rank 0: RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x32 and 7x64); "
-        f"traceback in {traceback} (exit status by rank ")
+        f"lightfleet: run failed: rank 0: {FAILED}; traceback in {traceback} (exit status by rank ")
     assert "Traceback" in traceback.read_text()
 
 

@@ -33,9 +33,11 @@ LIBRARY_PACKAGES = ("pytorch_lightning", "lightning_fabric", "torch")
 class NotFromLibraries(logging.Filter):
     """The console's filter unless verbose: the libraries' records and warnings (Lightning's device
     lines and tips, torch's and torchdata's warnings) stay in the job's log; lightfleet's and the
-    user's code's pass."""
+    user's code's pass, and so does the report of a profiler the user asked for (trainer.profiler)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("pytorch_lightning.profilers"):
+            return True
         # logging.captureWarnings' records hold the warning as Python prints it: its file first.
         source = record.getMessage() if record.name == "py.warnings" else record.pathname
         return source.startswith(OWN_SOURCES) or not source.startswith(LIBRARIES)

@@ -154,9 +154,10 @@ def finished(run: Path) -> Dict[str, Any]:
     assert results["global_step"] == 4 and math.isfinite(results["train_loss"]), results
     assert math.isfinite(results["val_loss"]), results
     ranks = [torch.load(run / f"running_stats.rank{rank}.pt") for rank in range(2)]
+    # Every rank holds the batch norms, but a pipeline's only those of its stages.
+    assert any("running_" in name for rank in ranks for name in rank["end"]), run.name
     for rank in ranks:
         running = {name: end for name, end in rank["end"].items() if "running_" in name}
-        assert running, rank["end"].keys()
         for name, end in running.items():
             assert end.dtype == torch.float32 and end.isfinite().all(), (run.name, name, end)
             assert not torch.equal(end, rank["start"][name]), (run.name, name, "not updated")
@@ -184,6 +185,16 @@ def test_amp_sharding_stages_keep_float32_running_stats(lightfleet, user, model,
             assert torch.allclose(amp["ranks"][0]["end"][name], expected, rtol=TOLERANCE[dtype],
                                   atol=TOLERANCE[dtype]), (overrides, name)
         assert amp["results"]["train_loss"] == pytest.approx(reference["results"]["train_loss"], rel=TOLERANCE[dtype])
+
+@pytest.mark.parametrize(("model", "dtype"), HALF_FORMAT.items())
+def test_amp_with_recompute_and_pipeline_keeps_float32_running_stats(lightfleet, user, model, dtype):
+    train(lightfleet, f"experiment={model}", "strategy=[amp,recompute],[amp,pipeline]",
+          f"strategy.amp.dtype=choice({dtype})", "paths.sweep_dir=amp", multirun=True)
+    runs = jobs(user / "amp")
+    assert len(runs) == 2
+    for run in runs.values():
+        finished(run)
+
 
 def user_model(name: str) -> torch.nn.Module:
     """One of the user's models, in this process."""

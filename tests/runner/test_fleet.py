@@ -76,6 +76,8 @@ ROUND_TRIPS = {
                       "strategy.dgc.sparsity=[0.75,0.9375,0.984375,0.996,0.999]"],
     "lamb": ["strategy=[lamb]", "strategy.lamb.lamb_weight_decay=0.02",
              "strategy.lamb.exclude_from_weight_decay=[bias,norm]"],
+    # accumulate_steps at lightfleet's default, 4, where Fleet's is 1 (micro_batch_size: Fleet has no null).
+    "pipeline_defaults": ["strategy=[pipeline]", "strategy.pipeline.micro_batch_size=16"],
     "pipeline_gpipe": ["strategy=[pipeline]", "strategy.pipeline.schedule_mode=GPipe",
                        "strategy.pipeline.accumulate_steps=8", "strategy.pipeline.micro_batch_size=4"],
     "sync": ["parameter_server.mode=sync"],
