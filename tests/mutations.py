@@ -281,7 +281,7 @@ MUTANTS = [
            "export leaves out knobs at lightfleet's default where Fleet's default differs",
            "runner/fleet/export_fleet.py", "    if value != default or fleet_value != fleet_default(field):\n",
            "    if value != default:\n",
-           (select("tests/runner/test_fleet.py", "import_of_an_export"),)),
+           (select("tests/runner/test_fleet.py", "fleet_reads"),)),
     Mutant("measure-warmup-ignored", "runner", "measure.warmup_steps does not reach the meter (always 5)",
            "runner/config/checks.py", '{"warmup_steps": measure.warmup_steps}', "{}",
            (select("tests/runner/test_measure.py", "single_process"),)),

@@ -86,3 +86,17 @@ def test_ctrl_c_checkpoints_as_sigterm_does_and_exits_130(lightfleet, tmp_path, 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert yaml.safe_load((tmp_path / "resumed" / "results.yaml").read_text())["global_step"] == 40
     assert logged_steps(tmp_path / "resumed")[0] == step  # on from the checkpoint
+
+
+def test_ctrl_c_twice_in_two_processes_stops_at_once_with_130_and_no_traceback(tmp_path):
+    run = tmp_path / "run"
+    process = start(tmp_path, "trainer.devices=2", "paths.output_dir=run")
+    wait_for(run / REACHED, process)
+    ranks = rank_pids(process.pid)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.3)  # the ranks are finishing their step and voting on the checkpoint
+    os.killpg(process.pid, signal.SIGINT)  # the impatient user's second Ctrl-C: stop now
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == INTERRUPTED, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    wait_gone(ranks, within=30)

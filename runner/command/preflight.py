@@ -207,7 +207,8 @@ STAGES = (
     Stage("table", "the selected strategies (also an experiment's, or geo's localsgd) against conf/compat.yaml",
           table),
     Stage("plan", "the strategies' contributions combined: one claim per exclusive slot, trainer arguments "
-          "against the user's, degrees against the world size, the collective knobs against the trainer", plan),
+          "against the user's, degrees against the world size, the collective knobs against the trainer, "
+          "pipeline schedules against the backend and gradient clipping", plan),
     Stage("world and devices", "multi-node rendezvous variables; the accelerator and devices this machine "
           "has (GPU count and ids, device ids on CPU)", world_and_devices),
     Stage("targets and the model on the meta device", "the model and the data are a LightningModule and a "
@@ -218,7 +219,7 @@ STAGES = (
           "the meta device: a model and data that do not go together (token ids for an image model, float "
           "features for an embedding) are refused by torch", the_model_on_one_batch),
     Stage("the plan on the model", "the plan's model transforms (module names of recompute and amp, pipeline "
-          "split points), its optimizer replacement (the optimizer family lars, lamb and dgc need) and the "
+          "split points, blocks enough for the stages and a loss()), its optimizer replacement (the optimizer family lars, lamb and dgc need) and the "
           "model's optimizer's own arguments (a negative learning rate) on the meta-device model", plan_on_the_model),
     Stage("checkpoint", "ckpt_path exists and its weights fit the meta-device model (`last`: the newest "
           "last.ckpt of the same experiment and model under paths.root_dir, named in one line)", checkpoint),

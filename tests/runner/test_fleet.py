@@ -3,6 +3,7 @@ every Fleet field accounted for, and the one-line errors. No training except the
 test through the real command."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,10 @@ from runner.command import preflight
 from runner.config.checks import validate
 from runner.core.errors import Refusal
 from runner.fleet.cli import main
-from runner.fleet.import_fleet import run_command
+from runner.fleet.import_fleet import read_fleet, run_command
 from runner.fleet.mapping import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, RENAMED, collective_fields, configured_strategy,
-                                  knob_of)
-from runner.fleet.message import shortest_float32, strategy_class
+                                  fleet_field, knob_of)
+from runner.fleet.message import plain, shortest_float32, strategy_class
 from runner.strategies.amp import AmpConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +129,27 @@ def test_import_of_an_export_gives_the_same_strategy(tmp_path, capsys, overrides
     expected, imported = validate(compose_config(overrides)), imported_spec(experiment)
     assert list(imported.strategies.items()) == list(expected.strategies.items())
     assert imported.cfg.parameter_server == expected.cfg.parameter_server
+
+
+@pytest.mark.parametrize("overrides", ROUND_TRIPS.values(), ids=list(ROUND_TRIPS))
+def test_fleet_reads_every_exported_knob_as_the_run_set_it(tmp_path, capsys, overrides):
+    """What Fleet itself reads from the file: a field left out reads as Fleet's default, so a knob
+    whose lightfleet default differs from Fleet's must be written (import brings back lightfleet's
+    defaults for absent fields, which the round trip above cannot tell apart)."""
+    main(["export-fleet", str(saved_run(tmp_path, overrides)), "-o", str(tmp_path / "out.prototxt")])
+    message, skipped = read_fleet(tmp_path / "out.prototxt")
+    assert not skipped
+    for name, knobs in validate(compose_config(overrides)).strategies.items():
+        if not getattr(message, name):  # geo's localsgd: written as Fleet's a_sync_configs.k_steps
+            continue
+        for knob, value in dataclasses.asdict(knobs).items():
+            target = fleet_field(message, name, knob)
+            if target is None or value is None:  # no such field, or no value to write: export says so
+                continue
+            field, to_fleet = target
+            read = plain(field, getattr(getattr(message, f"{name}_configs"), field.name))
+            expected = to_fleet(value)
+            assert read == (plain(field, expected) if field.type != field.TYPE_ENUM else expected), (name, knob)
 
 
 def test_collective_knobs_export_and_import_back(tmp_path, capsys):
