@@ -103,7 +103,7 @@ class ReduceScatterCount:
 
     def _count(self, *args, **kwargs):
         self.calls += 1
-        self.dtypes.update(str(arg.dtype) for arg in args if isinstance(arg, torch.Tensor))
+        self.dtypes.update(str(arg.dtype) for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor))
         return self._real(*args, **kwargs)
 
 
