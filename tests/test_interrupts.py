@@ -73,6 +73,7 @@ def test_ctrl_c_checkpoints_as_sigterm_does_and_exits_130(lightfleet, tmp_path, 
     out, err = process.communicate(timeout=60)
     assert process.returncode == INTERRUPTED, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "death signal" not in err, err  # torch's elastic agent's own warning: the line below says it
     step = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
     assert 3 <= step < 40
     at = f" at step {step}" if ranks == 1 else ""  # the elastic agent does not know the ranks' step

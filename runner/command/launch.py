@@ -91,10 +91,13 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
     """One rank per device of this node, each `python -m runner.train RUN_DIR` under torch's
     elastic agent, which runs in this process."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-
-    # The agent's own warnings about stopping ranks repeat what the CLI's summary line says.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent's own warnings about stopping ranks ("Received 2 death signal") repeat what the
+    # CLI's summary line says. Each of its modules' loggers sets its own level: quiet them all.
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
     if world.num_nodes > 1:  # every node runs the same command; NODE_RANK orders them
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
