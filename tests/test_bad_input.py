@@ -48,6 +48,7 @@ BY_HAND = [
     ["strategy=[pipeline]", "trainer.devices=2", "strategy.pipeline.schedule_mode=ZBVZeroBubble",
      "strategy.pipeline.vpp_degree=2"],
     ["strategy=[pipeline]", "trainer.devices=2", "trainer.gradient_clip_val=1.0"],
+    ["strategy=[pipeline]", "trainer.devices=2", "evaluate=true", "ckpt_path=last"],
     # a knob of a strategy only the sweep selects, which Hydra's sweep config cannot hold
     ["-m", "strategy=[amp,recompute],[amp,lars]", "strategy.amp.dtype=bfloat16"],
 ]

@@ -270,6 +270,14 @@ def test_pipeline_checkpoint_from_every_stage_exports_to_one_plain_file(lightfle
     for name, tensor in initial.state_dict().items():  # both stages' weights trained, statistics updated
         if tensor.is_floating_point():
             assert not torch.equal(trained[name], tensor), name
+    # Evaluated as the pipeline's refusal says: the exported file, without the pipeline.
+    refused = lightfleet("eval", "run", "ckpt_path=run/checkpoints/last.ckpt", "hydra.run.dir=refused")
+    assert refused.returncode == 2 and "python -m plugins.sharding export" in refused.stderr
+    assert not (tmp_path / "refused").exists()
+    evaluated = lightfleet("eval", "run", "strategy.pipeline=null", "trainer.devices=1", "ckpt_path=model.pt",
+                           "hydra.run.dir=evaluated")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert read(tmp_path / "evaluated" / "results.yaml")["val_loss"] > 0
 
 
 def test_data_that_does_not_divide_by_the_ranks_finishes_on_every_rank(lightfleet, tmp_path):

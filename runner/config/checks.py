@@ -70,7 +70,7 @@ def apply_cross_field_rules(spec: RunSpec) -> None:
     """The rules between keys of different nodes. Two rewrite the config, so that the config the
     run saves says what ran: parameter_server.mode=geo selects localsgd, and the two-level
     allreduce sets hybrid sharding's degrees. The others refuse: evaluate without a checkpoint,
-    test with the pipeline."""
+    test or evaluate with the pipeline."""
     cfg = spec.cfg
     try:
         as_localsgd(OmegaConf.to_object(cfg.parameter_server), cfg)
@@ -82,6 +82,10 @@ def apply_cross_field_rules(spec: RunSpec) -> None:
             "needs ckpt_path=PATH|last: the weights to evaluate")
     require(not cfg.test or "pipeline" not in spec.strategies, "test", True,
             "the pipeline strategy runs fit and validation only")
+    require(not cfg.evaluate or "pipeline" not in spec.strategies, "evaluate", True,
+            "the pipeline strategy builds its stages in fit only; export the checkpoint to one file "
+            "(python -m plugins.sharding export CKPT model.pt) and evaluate it without the pipeline: "
+            "lightfleet eval RUN strategy.pipeline=null trainer.devices=1 ckpt_path=model.pt")
 
 
 def require_finite(key: str, node: Any) -> None:
