@@ -101,3 +101,22 @@ def test_ctrl_c_twice_in_two_processes_stops_at_once_with_130_and_no_traceback(t
     assert process.returncode == INTERRUPTED, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     wait_gone(ranks, within=30)
+
+
+def test_sigterm_to_the_ranks_alone_is_a_preemption_with_its_resume_line(lightfleet, tmp_path):
+    """A scheduler that signals the training processes but not the command (whose torch agent then
+    sees its ranks exit 143): the same checkpoint, line and record as a SIGTERM to the command."""
+    run = tmp_path / "run"
+    process = start(tmp_path, "trainer.devices=2", "paths.output_dir=run")
+    wait_for(run / REACHED, process)
+    for pid in rank_pids(process.pid):
+        os.kill(pid, signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == PREEMPTED, err
+    said = [line for line in err.splitlines() if line.startswith("lightfleet: ")]
+    assert said == [f"lightfleet: preempted by SIGTERM; checkpoint saved in {run / 'checkpoints' / 'last.ckpt'}; "
+                    f"continue with: lightfleet resume {run}"], err
+    assert yaml.safe_load((run / "failure.yaml").read_text())["status"] == "preempted"
+    resumed = lightfleet("resume", str(run), "paths.output_dir=resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert logged_steps(tmp_path / "resumed")[0] >= 3  # on from the checkpoint

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import signal
 import sys
 import time
 from enum import Enum
@@ -30,7 +31,7 @@ from runner.core.clock import mark_start
 from runner.records import files
 from runner.records.run_dir import create_run_dir, record_failure, records_subdir, write_yaml
 from runner.core.world import World
-from runner.rank.parent import STOPPED, exit_status
+from runner.rank.parent import INTERRUPTED, STOPPED, exit_status
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from runner.rank.preemption import Preempted, resume_line
+    from runner.rank.preemption import Preempted
 
     from runner.command import launch as launcher
 
@@ -116,12 +117,14 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     except (SignalException, Preempted) as stop:  # a checkpoint at the agreed step, or none if still starting
         # In this process, Preempted knows the step; from the agent, the signal the ranks were passed.
         signum, step = (stop.signum, stop.step) if isinstance(stop, Preempted) else (stop.sigval, None)
-        line = resume_line(run_dir, signum, step)
-        print(line, file=sys.stderr, flush=True)
-        record_failure(records, exit_status(signum), line.removeprefix("lightfleet: "), status=files.PREEMPTED)
-        return exit_status(signum)
+        return preempted(records, run_dir, signum, step)
     except ChildFailedError as failure:
         codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
+        # The ranks signalled, not this process (a scheduler's SIGTERM to them alone): they stopped
+        # as on the command's own, and the agent may have ended the slower one (a negative status).
+        if any(code in STOPPED for code in codes.values()) and all(code in STOPPED or code < 0
+                                                                   for code in codes.values()):
+            return preempted(records, run_dir, signal.SIGINT if INTERRUPTED in codes.values() else signal.SIGTERM)
         first_rank, first = failure.get_first_failure()
         reason = last_error_line(records / files.LOGS_DIR, first.local_rank)
         print(f"lightfleet: run failed: rank {first_rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
@@ -138,6 +141,16 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         print(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started)}; run directory {run_dir}",
               flush=True)
     return 0
+
+
+def preempted(records: Path, run_dir: Path, signum: int, step: Optional[int] = None) -> int:
+    """Say how to continue a run a signal stopped, record it, and return its exit status."""
+    from runner.rank.preemption import resume_line
+
+    line = resume_line(run_dir, signum, step)
+    print(line, file=sys.stderr, flush=True)
+    record_failure(records, exit_status(signum), line.removeprefix("lightfleet: "), status=files.PREEMPTED)
+    return exit_status(signum)
 
 
 def summary_line(results: Dict[str, Any], seconds: float) -> str:
