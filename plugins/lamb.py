@@ -29,11 +29,13 @@ class LAMB(LayerwiseOptimizer):
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g^2
         r = m_hat / (sqrt(v_hat) + eps) + wd * w,   m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t)
-        trust = ||w|| / ||r||   if ||w|| > 0 and ||r|| > 0,   else 1
+        trust = ||w|| / ||r||   if (wd > 0 or always_adapt), ||w|| > 0 and ||r|| > 0,   else 1
         w = w - lr * trust * r
 
     with wd = `lamb_weight_decay`, or 0 for the parameters flagged in the group's
-    `no_weight_decay` list. Norms are L2 norms of whole tensors, and the update runs on
+    `no_weight_decay` list: as Paddle 3.3.1's lamb kernel with `always_adapt=False` (Fleet's), a
+    tensor without weight decay takes the plain Adam-style step r (tests/plugins/test_lamb.py
+    compares with Paddle). Norms are L2 norms of whole tensors, and the update runs on
     foreach ops with nothing read back to the host (see LayerwiseOptimizer): the branch above
     is a `torch.where`, and the step count is a tensor on the parameter's device. The state of
     a parameter is `step`, `exp_avg` (m) and `exp_avg_sq` (v), torch's Adam names, so
@@ -45,13 +47,14 @@ class LAMB(LayerwiseOptimizer):
     weight_decay_key = "lamb_weight_decay"
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, *, lamb_weight_decay: float) -> None:
+                 eps: float = 1e-6, *, lamb_weight_decay: float, always_adapt: bool) -> None:
         # lamb_weight_decay comes checked by LambConfig (runner/strategies/lamb.py), where its range lives.
         if lr < 0 or eps < 0:
             raise ValueError(f"LAMB: lr and eps must be >= 0, got {lr}, {eps}")
         if not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"LAMB: betas must lie in [0, 1), got {betas}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, lamb_weight_decay=lamb_weight_decay))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, lamb_weight_decay=lamb_weight_decay,
+                                      always_adapt=always_adapt))
 
     @override
     @staticmethod
@@ -72,7 +75,7 @@ class LAMB(LayerwiseOptimizer):
         steps, exp_avgs, exp_avg_sqs = states
         beta1, beta2 = group["betas"]
         _lamb_update(params, grads, steps, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
-                     eps=group["eps"], weight_decay=weight_decay)
+                     eps=group["eps"], weight_decay=weight_decay, adapt=weight_decay > 0 or group["always_adapt"])
 
 
 def bias_correction(step: torch.Tensor, beta: float) -> torch.Tensor:
@@ -82,8 +85,9 @@ def bias_correction(step: torch.Tensor, beta: float) -> torch.Tensor:
 
 def _lamb_update(params: List[torch.Tensor], grads: List[torch.Tensor], steps: List[torch.Tensor],
                  exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor], *, lr: float, beta1: float,
-                 beta2: float, eps: float, weight_decay: float) -> None:
-    """One LAMB step for tensors of one device and dtype and one weight decay (see LAMB)."""
+                 beta2: float, eps: float, weight_decay: float, adapt: bool) -> None:
+    """One LAMB step for tensors of one device and dtype and one weight decay (see LAMB);
+    `adapt`: scale by the trust ratio."""
     torch._foreach_add_(steps, 1)
     # Per-tensor scalars on the device, computed once for the whole list: bc = 1 - beta^t, in
     # float64 as -expm1(t log beta): in float32, 1 - 0.999^t loses about 1e-5 of its value.
@@ -107,6 +111,9 @@ def _lamb_update(params: List[torch.Tensor], grads: List[torch.Tensor], steps: L
     if weight_decay != 0:
         torch._foreach_add_(updates, params, alpha=weight_decay)
 
+    if not adapt:
+        torch._foreach_add_(params, updates, alpha=-lr)
+        return
     w_norms = torch.stack(torch._foreach_norm(params, 2, dtype=norm_dtype(params)))
     r_norms = torch.stack(torch._foreach_norm(updates, 2, dtype=norm_dtype(params)))
     trust = torch.where((w_norms > 0) & (r_norms > 0), w_norms / r_norms, 1.0)
@@ -114,15 +121,16 @@ def _lamb_update(params: List[torch.Tensor], grads: List[torch.Tensor], steps: L
 
 
 def replace_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, *, lamb_weight_decay: float,
-                      exclude_from_weight_decay: Sequence[str]) -> LAMB:
+                      exclude_from_weight_decay: Sequence[str], always_adapt: bool) -> LAMB:
     """LAMB over the parameter groups of the user's Adam or AdamW `optimizer`.
 
     Every group keeps all its keys (lr, initial_lr, betas, eps, ...) and gets
-    `lamb_weight_decay` and `no_weight_decay` (True for parameters whose name in `model`
+    `lamb_weight_decay`, `always_adapt` and `no_weight_decay` (True for parameters whose name in `model`
     contains one of `exclude_from_weight_decay`). Raises ConfigError for any other optimizer.
     The LAMB state starts empty.
     """
     return replace_with(LAMB, optimizer, model, exclude_from_weight_decay,
                         accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),
                         requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW)",
-                        inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay)
+                        inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay,
+                        always_adapt=always_adapt)

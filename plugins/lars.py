@@ -23,13 +23,14 @@ class LARS(LayerwiseOptimizer):
 
     For each parameter tensor w with gradient g, momentum buffer v (zeros at the start):
 
-        local_lr = lr * lars_coeff * ||w|| / (||g|| + wd * ||w|| + epsilon)   if ||w|| > 0 and ||g|| > 0
+        local_lr = lr * lars_coeff * ||w|| / (||g|| + wd * ||w|| + epsilon)   if wd > 0, ||w|| > 0 and ||g|| > 0
                    lr                                                          otherwise
         v = momentum * v + local_lr * (g + wd * w)
         w = w - v
 
     with wd = `lars_weight_decay`, or 0 for the parameters flagged in the group's
-    `no_weight_decay` list. Norms are L2 norms of whole tensors, and the update runs on
+    `no_weight_decay` list: as Paddle 3.3.1's lars_momentum kernel, a tensor without weight decay
+    takes plain momentum SGD steps (tests/plugins/test_lars.py compares with Paddle). Norms are L2 norms of whole tensors, and the update runs on
     foreach ops with nothing read back to the host: see LayerwiseOptimizer. The branch above
     is a `torch.where`. The state of a parameter is its `momentum_buffer`, so
     `state_dict()`/`load_state_dict()` round-trip as for torch's SGD. Other keys a group may
@@ -66,16 +67,16 @@ class LARS(LayerwiseOptimizer):
 def _lars_update(params: List[torch.Tensor], grads: List[torch.Tensor], buffers: List[torch.Tensor], *, lr: float,
                  momentum: float, lars_coeff: float, weight_decay: float, epsilon: float) -> None:
     """One LARS step for tensors of one device and dtype and one weight decay (see LARS)."""
-    w_norms = torch.stack(torch._foreach_norm(params, 2, dtype=norm_dtype(params)))
-    g_norms = torch.stack(torch._foreach_norm(grads, 2, dtype=norm_dtype(params)))
-    local_lr = torch.where((w_norms > 0) & (g_norms > 0),
-                           lr * lars_coeff * w_norms / (g_norms + weight_decay * w_norms + epsilon), lr)
-    local_lrs = local_lr.unbind()
-    # v = momentum * v + local_lr * g + local_lr * wd * w, in place
     torch._foreach_mul_(buffers, momentum)
-    torch._foreach_addcmul_(buffers, grads, local_lrs)
-    if weight_decay != 0:
+    if weight_decay > 0:  # v += local_lr * g + local_lr * wd * w, in place
+        w_norms = torch.stack(torch._foreach_norm(params, 2, dtype=norm_dtype(params)))
+        g_norms = torch.stack(torch._foreach_norm(grads, 2, dtype=norm_dtype(params)))
+        local_lrs = torch.where((w_norms > 0) & (g_norms > 0),
+                                lr * lars_coeff * w_norms / (g_norms + weight_decay * w_norms + epsilon), lr).unbind()
+        torch._foreach_addcmul_(buffers, grads, local_lrs)
         torch._foreach_addcmul_(buffers, params, local_lrs, value=weight_decay)
+    else:  # Paddle's rule: no weight decay, no layer-wise rate (momentum SGD)
+        torch._foreach_add_(buffers, grads, alpha=lr)
     torch._foreach_sub_(params, buffers)
 
 

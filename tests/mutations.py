@@ -137,6 +137,10 @@ MUTANTS = [
            'self.lars_weight_decay, "epsilon": self.epsilon, "exclude_from_weight_decay": '
            "list(self.exclude_from_weight_decay)})",
            (wiring("lars"), module("lars"), rows("lars+recompute", "amp+lars"))),
+    Mutant("lars-excluded-layerwise", "lars", "tensors without weight decay still take the layer-wise rate (not Paddle's)",
+           "plugins/lars.py", "    if weight_decay > 0:  # v += local_lr * g + local_lr * wd * w, in place\n",
+           "    if True:\n",
+           (("tests/plugins/test_lars.py", "-k", "paddle"),)),
     # ------------------------------------------------------------------ lamb
     Mutant("lamb-returns-original", "lamb", "replace_optimizer returns the user's Adam/AdamW instead of LAMB",
            "plugins/lamb.py",
@@ -144,19 +148,24 @@ MUTANTS = [
            "                        accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),\n"
            '                        requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or '
            'torch.optim.AdamW)",\n'
-           '                        inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay)\n',
+           '                        inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay,\n'
+           "                        always_adapt=always_adapt)\n",
            "    replace_with(LAMB, optimizer, model, exclude_from_weight_decay,\n"
            "                 accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),\n"
            '                 requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW)",\n'
-           '                 inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay)\n'
+           '                 inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay,\n'
+           "                 always_adapt=always_adapt)\n"
            "    return optimizer\n",
            (module("lamb"), wiring("lamb"), rows("lamb+recompute", "amp+lamb"))),
     Mutant("lamb-weight-decay-constant", "lamb", "contribute() passes lamb_weight_decay=0.01 instead of the knob",
            "runner/strategies/lamb.py",
            'Component("plugins.lamb:replace_optimizer", asdict(self))',
            'Component("plugins.lamb:replace_optimizer", {"lamb_weight_decay": 0.01, '
-           '"exclude_from_weight_decay": list(self.exclude_from_weight_decay)})',
+           '"exclude_from_weight_decay": list(self.exclude_from_weight_decay), "always_adapt": self.always_adapt})',
            (wiring("lamb"), module("lamb"), rows("lamb+recompute", "amp+lamb"))),
+    Mutant("lamb-excluded-adapted", "lamb", "tensors without weight decay still scaled by the trust ratio (not Paddle's)",
+           "plugins/lamb.py", 'adapt=weight_decay > 0 or group["always_adapt"])', "adapt=True)",
+           (("tests/plugins/test_lamb.py", "-k", "paddle"),)),
     Mutant("lamb-trust-ratio-one", "lamb", "trust ratio fixed at 1: LAMB steps as plain AdamW",
            "plugins/lamb.py", "trust = torch.where((w_norms > 0) & (r_norms > 0), w_norms / r_norms, 1.0)",
            "trust = torch.ones_like(w_norms)",

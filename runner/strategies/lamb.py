@@ -20,7 +20,11 @@ class LambConfig(Strategy):
     lamb_weight_decay: float = 0.01
     """Decoupled weight decay inside the LAMB update."""
     exclude_from_weight_decay: List[str] = field(default_factory=list)
-    """Parameter-name substrings (e.g. bn, bias, norm) whose tensors get no weight decay."""
+    """Parameter-name substrings (e.g. bn, bias, norm) whose tensors get no weight decay; as in
+    Fleet, they also take Adam-style steps without the trust ratio (see always_adapt)."""
+    always_adapt: bool = False
+    """Scale by the trust ratio also the tensors without weight decay (Paddle's
+    `paddle.optimizer.Lamb(always_adapt=...)`; Fleet's lamb uses False: they take plain Adam-style steps)."""
 
     def __post_init__(self) -> None:
         require(self.lamb_weight_decay >= 0, "strategy.lamb.lamb_weight_decay", self.lamb_weight_decay, "must be >= 0")

@@ -7,6 +7,8 @@
   whole lists and with CPU chunks), `recomputed_resnet` (names with recompute's wrapper segment).
 - Replacement: `blocks_and_rest`, `assert_groups_kept`, `two_group_scheduler` and
   `assert_scheduler_follows`; `assert_state_dict_round_trips`.
+- Paddle as the reference: `steps_equal_paddles` runs the same steps through Paddle 3.3.1's own
+  optimizer (tests/plugins/paddle_reference.py, in a subprocess) and through ours.
 - Training: `ReplacedOptimizerMLP` (the built-in MLP whose optimizer is replaced, as build does),
   `fit_float16_with_overflows` (skipped steps leave parameters and state untouched), and
   `run_ddp_fit` with its rank side `fit_ddp_rank` (2 processes: both train, and agree).
@@ -17,11 +19,14 @@ here); the 2-process runs import it the same way.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -325,3 +330,41 @@ def excludes(pattern: str):
         return all(flag == (pattern in names[id(p)]) for group in trainer.optimizers[0].param_groups
                    for p, flag in zip(group["params"], group["no_weight_decay"]))
     return read
+
+
+# --------------------------------------------------------------------------- Paddle as the reference
+
+PADDLE_REFERENCE = Path(__file__).with_name("paddle_reference.py")
+# Three tensors, one step of gradients each: a layer's weight and bias, and a weight whose
+# gradient is zero (||g|| = 0: the layer-wise rate must fall back, as Paddle's kernels do).
+PADDLE_SHAPES = {"layer.weight": (6, 5), "layer.bias": (5,), "still.weight": (3, 4)}
+
+
+def steps_equal_paddles(tmp_path: Path, optimizer: str, dtype: str, knobs: Dict[str, Any],
+                        ours: Callable[[List[Dict[str, Any]]], torch.optim.Optimizer], steps: int = 5) -> None:
+    """Run `steps` steps of Paddle's `optimizer` (lamb or lars, with Paddle's `knobs` and
+    `excluded`, the name substrings without weight decay) and of `ours(groups)` on the same
+    parameters and gradients, and compare the parameters: to float64 rounding in float64, to
+    float32's in float32. The hyper-parameters should be exact in float32 (Paddle's attributes are)."""
+    rng = np.random.default_rng(0)
+    init = {name: rng.standard_normal(shape).astype(dtype) for name, shape in PADDLE_SHAPES.items()}
+    grads = [{name: (rng.standard_normal(shape) if name != "still.weight" else np.zeros(shape)).astype(dtype)
+              for name, shape in PADDLE_SHAPES.items()} for _ in range(steps)]
+    case = tmp_path / "case.npz"
+    np.savez(case, optimizer=optimizer, dtype=dtype, knobs=json.dumps(knobs),
+             **{f"init/{name}": value for name, value in init.items()},
+             **{f"grad/{step}/{name}": value for step, grad in enumerate(grads) for name, value in grad.items()})
+    done = subprocess.run([sys.executable, str(PADDLE_REFERENCE), str(case), str(tmp_path / "paddle.npz")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]  # Paddle missing is a failure: it is in the dev extra
+    expected = np.load(tmp_path / "paddle.npz")
+    params = {name: torch.nn.Parameter(torch.from_numpy(value.copy())) for name, value in init.items()}
+    excluded = [any(pattern in name for pattern in knobs["excluded"]) for name in params]
+    mine = ours([{"params": list(params.values()), "no_weight_decay": excluded}])
+    for grad in grads:
+        for name, param in params.items():
+            param.grad = torch.from_numpy(grad[name].copy())
+        mine.step()
+    tolerance = dict(rtol=1e-13, atol=1e-15) if dtype == "float64" else dict(rtol=2e-6, atol=1e-7)
+    for name, param in params.items():
+        torch.testing.assert_close(param.detach(), torch.from_numpy(expected[name]), **tolerance, msg=name)

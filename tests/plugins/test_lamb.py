@@ -11,7 +11,7 @@ import torch
 from optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
 from optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
 from optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
-from optimizer_checks import excludes, group_key, step_both, two_group_mlp, two_group_scheduler
+from optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
 from plugins.lamb import LAMB, replace_optimizer
 from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
@@ -21,7 +21,8 @@ from runner.strategies.lamb import LambConfig
 
 class ReferenceLAMB(PerTensorReference):
     """The LAMB formula in plain Python, one tensor at a time, in float64; per-tensor hyper-
-    parameters `lr[i]` and `wd[i]` (0 for excluded tensors)."""
+    parameters `lr[i]` and `wd[i]` (0 for excluded tensors, which then take no trust ratio, as
+    Paddle's lamb with always_adapt=False)."""
 
     def __init__(self, params, lr, wd, betas, eps):
         super().__init__(params)
@@ -40,7 +41,7 @@ class ReferenceLAMB(PerTensorReference):
         v_hat = self.exp_avg_sqs[i] / (1 - beta2 ** t)
         r = m_hat / (v_hat.sqrt() + self.eps) + self.wd[i] * w
         w_norm, r_norm = w.norm().item(), r.norm().item()
-        trust = w_norm / r_norm if w_norm > 0 and r_norm > 0 else 1.0
+        trust = w_norm / r_norm if self.wd[i] > 0 and w_norm > 0 and r_norm > 0 else 1.0
         return w - self.lr[i] * trust * r
 
     def state(self, i):
@@ -59,7 +60,7 @@ def test_steps_match_the_formula_per_tensor(chunk_numel, monkeypatch):
     with torch.no_grad():
         zero_weight.zero_()
         zero_both.zero_()
-    optimizer = LAMB(setup.groups, lr=0.05, betas=(0.8, 0.99), eps=1e-6, lamb_weight_decay=0.01)
+    optimizer = LAMB(setup.groups, lr=0.05, betas=(0.8, 0.99), eps=1e-6, lamb_weight_decay=0.01, always_adapt=False)
     reference = ReferenceLAMB(setup.params, lr=setup.lrs, wd=setup.weight_decays, betas=(0.8, 0.99), eps=1e-6)
     frozen_before = frozen.detach().clone()
 
@@ -77,7 +78,7 @@ def test_float64_training_follows_the_formula_to_float64_precision():
     generator = torch.Generator().manual_seed(0)
     params = [torch.randn(shape, dtype=torch.float64, generator=generator, requires_grad=True)
               for shape in ((16, 8), (8,), (3, 4, 5))]
-    optimizer = LAMB(params, lr=0.01, betas=(0.9, 0.999), eps=1e-8, lamb_weight_decay=0.01)
+    optimizer = LAMB(params, lr=0.01, betas=(0.9, 0.999), eps=1e-8, lamb_weight_decay=0.01, always_adapt=False)
     reference = ReferenceLAMB(params, lr=[0.01] * 3, wd=[0.01] * 3, betas=(0.9, 0.999), eps=1e-8)
     for _ in range(20):
         grads = [torch.randn(p.shape, dtype=torch.float64, generator=generator) for p in params]
@@ -92,7 +93,7 @@ def test_float64_training_follows_the_formula_to_float64_precision():
 def test_excluded_names_get_no_weight_decay_also_inside_recomputed_blocks():
     model, params, excluded, batch = recomputed_resnet()
     optimizer = replace_optimizer(torch.optim.Adam(params, lr=0.01, eps=1e-6), model=model, lamb_weight_decay=0.1,
-                                  exclude_from_weight_decay=["bias", "bn"])
+                                  exclude_from_weight_decay=["bias", "bn"], always_adapt=False)
     assert optimizer.param_groups[0]["no_weight_decay"] == excluded
     reference = ReferenceLAMB(params, lr=[0.01] * len(params), wd=[0.0 if e else 0.1 for e in excluded],
                               betas=(0.9, 0.999), eps=1e-6)
@@ -107,7 +108,8 @@ def test_replacement_keeps_groups_and_the_scheduler_follows():
                               lr=1e-3, betas=(0.9, 0.98), eps=1e-7, weight_decay=0.05)
     scheduler = two_group_scheduler(adamw)
 
-    lamb = replace_optimizer(adamw, model=model, lamb_weight_decay=0.02, exclude_from_weight_decay=["ln", "bias"])
+    lamb = replace_optimizer(adamw, model=model, lamb_weight_decay=0.02, exclude_from_weight_decay=["ln", "bias"],
+                             always_adapt=False)
     assert_groups_kept(adamw, lamb)
     assert all(group["lamb_weight_decay"] == 0.02 for group in lamb.param_groups)
     assert [(g["betas"], g["eps"]) for g in lamb.param_groups] == [((0.9, 0.98), 1e-7), ((0.8, 0.9), 1e-7)]
@@ -135,7 +137,7 @@ def test_state_dict_round_trips():
     assert_state_dict_round_trips(
         lambda model: replace_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model=model,
                                         **asdict(LambConfig(exclude_from_weight_decay=["bias"]))),
-        blank=lambda params: LAMB(params, lr=1.0, betas=(0.5, 0.5), lamb_weight_decay=1.0),
+        blank=lambda params: LAMB(params, lr=1.0, betas=(0.5, 0.5), lamb_weight_decay=1.0, always_adapt=False),
         loaded=lambda state: state["step"].item() == 2)
 
 
@@ -169,7 +171,8 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
 
 
 WIRING = [WiringCase({"lamb_weight_decay": Knob(0.02, group_key("lamb_weight_decay")),
-                      "exclude_from_weight_decay": Knob(["bias"], excludes("bias"), True)},
+                      "exclude_from_weight_decay": Knob(["bias"], excludes("bias"), True),
+                      "always_adapt": Knob(True, group_key("always_adapt"))},
                      ["model=gpt", "data=language_model"])]
 
 
@@ -181,3 +184,24 @@ ROW = ["model=gpt", "data=language_model"]  # LAMB replaces Adam-family optimize
 
 def row_effect(ranks):
     assert {state["optimizer"] for rank in ranks for state in rank["states"]} == {"LAMB"}
+
+
+# --------------------------------------------------------------------------- against Paddle 3.3.1
+
+
+# Fleet's lamb is paddle.optimizer.Lamb (always_adapt=False): an excluded tensor, or every tensor
+# when lamb_weight_decay is 0, takes the Adam-style step without the trust ratio.
+PADDLE_LAMB = {"decayed": (0.0078125, [], False), "bias_excluded": (0.0078125, ["bias"], False),
+               "no_weight_decay": (0.0, [], False), "always_adapt": (0.0078125, ["bias"], True)}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", PADDLE_LAMB)
+def test_steps_equal_paddles_lamb(tmp_path, case, dtype):
+    weight_decay, excluded, always_adapt = PADDLE_LAMB[case]
+    hyper = dict(lr=0.0625, betas=(0.875, 0.9990234375), eps=2.0 ** -20)  # exact in float32, as Paddle's attributes
+    steps_equal_paddles(
+        tmp_path, "lamb", dtype,
+        dict(learning_rate=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1], epsilon=hyper["eps"],
+             lamb_weight_decay=weight_decay, always_adapt=always_adapt, excluded=excluded),
+        lambda groups: LAMB(groups, **hyper, lamb_weight_decay=weight_decay, always_adapt=always_adapt))

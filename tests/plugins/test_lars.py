@@ -11,7 +11,7 @@ import torch
 from optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
 from optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
 from optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
-from optimizer_checks import excludes, group_key, step_both, two_group_mlp, two_group_scheduler
+from optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
 from plugins.lars import LARS, replace_optimizer
 from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
@@ -21,7 +21,8 @@ from runner.strategies.lars import LarsConfig
 
 class ReferenceLARS(PerTensorReference):
     """The LARS formula in plain Python, one tensor at a time, in float64; per-tensor hyper-
-    parameters `lr[i]` and `wd[i]` (0 for excluded tensors)."""
+    parameters `lr[i]` and `wd[i]` (0 for excluded tensors, which then take plain momentum-SGD
+    steps, as Paddle's lars_momentum)."""
 
     def __init__(self, params, lr, wd, momentum, lars_coeff, epsilon):
         super().__init__(params)
@@ -31,7 +32,7 @@ class ReferenceLARS(PerTensorReference):
 
     def update(self, i, w, g):
         w_norm, g_norm = w.norm().item(), g.norm().item()
-        if w_norm > 0 and g_norm > 0:
+        if self.wd[i] > 0 and w_norm > 0 and g_norm > 0:
             local_lr = self.lr[i] * self.lars_coeff * w_norm / (g_norm + self.wd[i] * w_norm + self.epsilon)
         else:
             local_lr = self.lr[i]
@@ -154,3 +155,23 @@ ROW = []  # the MLP's momentum SGD is replaced
 
 def row_effect(ranks):
     assert {state["optimizer"] for rank in ranks for state in rank["states"]} == {"LARS"}
+
+
+# --------------------------------------------------------------------------- against Paddle 3.3.1
+
+
+# Fleet's lars is Paddle's LarsMomentumOptimizer: an excluded tensor (its lars_weight_decay is 0),
+# or every tensor when lars_weight_decay is 0, takes plain momentum-SGD steps.
+PADDLE_LARS = {"decayed": (2.0 ** -11, []), "bias_excluded": (2.0 ** -11, ["bias"]), "no_weight_decay": (0.0, [])}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", PADDLE_LARS)
+def test_steps_equal_paddles_lars(tmp_path, case, dtype):
+    weight_decay, excluded = PADDLE_LARS[case]
+    hyper = dict(lr=0.125, momentum=0.875, lars_coeff=2.0 ** -10, epsilon=2.0 ** -20)  # exact in float32
+    steps_equal_paddles(
+        tmp_path, "lars", dtype,
+        dict(learning_rate=hyper["lr"], momentum=hyper["momentum"], lars_coeff=hyper["lars_coeff"],
+             epsilon=hyper["epsilon"], lars_weight_decay=weight_decay, excluded=excluded),
+        lambda groups: LARS(groups, **hyper, lars_weight_decay=weight_decay))

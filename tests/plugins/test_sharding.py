@@ -120,7 +120,7 @@ def run(name, plan, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=
     if lamb:
         configure = model.configure_optimizers
         model.configure_optimizers = lambda: replace_optimizer(configure(), model, lamb_weight_decay=0.1,
-                                                               exclude_from_weight_decay=EXCLUDED)
+                                                               exclude_from_weight_decay=EXCLUDED, always_adapt=False)
     probe = Probe()
     REDUCE_SCATTERS.calls, REDUCE_SCATTERS.dtypes = 0, set()
     callbacks = [probe, EpochEndPosition()]  # as lightfleet's runs have
