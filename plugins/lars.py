@@ -30,8 +30,8 @@ class LARS(LayerwiseOptimizer):
 
     with wd = `lars_weight_decay`, or 0 for the parameters flagged in the group's
     `no_weight_decay` list: as Paddle 3.3.1's lars_momentum kernel, a tensor without weight decay
-    takes plain momentum SGD steps (tests/plugins/test_lars.py compares with Paddle). Norms are L2 norms of whole tensors, and the update runs on
-    foreach ops with nothing read back to the host: see LayerwiseOptimizer. The branch above
+    takes plain momentum SGD steps (tests/plugins/test_lars.py compares with Paddle). Norms are L2
+    norms of whole tensors, and the update runs on foreach ops with nothing read back to the host: see LayerwiseOptimizer. The branch above
     is a `torch.where`. The state of a parameter is its `momentum_buffer`, so
     `state_dict()`/`load_state_dict()` round-trip as for torch's SGD. Other keys a group may
     carry (`dampening`, `nesterov`, `weight_decay` from an SGD it replaced) are kept and

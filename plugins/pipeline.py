@@ -30,6 +30,7 @@ from plugins.pipeline_split import in_eval_mode, keep_only_stages, stage_ranks, 
 from plugins.sharding import layout_mesh, shard_strategy_optimizers
 from plugins.transforms import ModelContext
 from runner.core.errors import ConfigError
+from runner.strategies.pipeline import NO_CLIPPING, ZBV_ON_GLOO
 from runner.core.world import Layout
 
 KEY = "strategy.pipeline"
@@ -152,12 +153,9 @@ class PipelineStrategy(ModelParallelStrategy):
                                          f"not trainer.{trainer.state.fn}")
         require_loss(self.lightning_module)
         if self.schedule_mode == "ZBVZeroBubble" and dist.get_backend() == "gloo":
-            raise ConfigError(f"{KEY}.schedule_mode", self.schedule_mode,
-                              "fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a gloo "
-                              "pair not connected; use it on CUDA (nccl) or choose 1F1B, GPipe or Interleaved1F1B")
+            raise ConfigError(f"{KEY}.schedule_mode", self.schedule_mode, ZBV_ON_GLOO)
         if trainer.gradient_clip_val:
-            raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
-                              "is not supported with strategy pipeline: each rank would clip its stages by their own norm")
+            raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val, NO_CLIPPING)
 
     def _schedule_over(self, stages: list[Any]) -> Any:
         schedule = SCHEDULES[self.schedule_mode]

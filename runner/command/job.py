@@ -15,7 +15,6 @@ import shutil
 import signal
 import sys
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -189,9 +188,9 @@ def no_result() -> float:
     `direction` (+inf when minimising), NaN for the others. Not NaN for Optuna: with
     hydra-optuna-sweeper 1.3 and optuna 2.10 one NaN ends the whole sweep with a traceback (the
     sweeper's study.tell raises on it, then again when it marks the trial failed)."""
-    direction = HydraConfig.get().sweeper.get("direction")
-    worst = {"minimize": math.inf, "maximize": -math.inf}
-    return worst.get(getattr(direction, "name", direction), math.nan) if isinstance(direction, (str, Enum)) else math.nan
+    direction = HydraConfig.get().sweeper.get("direction")  # a name, an enum member, or a list (several objectives)
+    name = getattr(direction, "name", direction)
+    return {"minimize": math.inf, "maximize": -math.inf}.get(name, math.nan) if isinstance(name, str) else math.nan
 
 
 def objective(spec: RunSpec, records: Path) -> Optional[float]:

@@ -219,8 +219,8 @@ STAGES = (
           "the meta device: a model and data that do not go together (token ids for an image model, float "
           "features for an embedding) are refused by torch", the_model_on_one_batch),
     Stage("the plan on the model", "the plan's model transforms (module names of recompute and amp, pipeline "
-          "split points, blocks enough for the stages and a loss()), its optimizer replacement (the optimizer family lars, lamb and dgc need) and the "
-          "model's optimizer's own arguments (a negative learning rate) on the meta-device model", plan_on_the_model),
+          "split points, blocks enough for the stages and a loss()), its optimizer replacement (the optimizer "
+          "family lars, lamb and dgc need) and the model's optimizer's own arguments (a negative learning rate) on the meta-device model", plan_on_the_model),
     Stage("checkpoint", "ckpt_path exists and its weights fit the meta-device model (`last`: the newest "
           "last.ckpt of the same experiment and model under paths.root_dir, named in one line)", checkpoint),
     Stage("directories", "the run or sweep directory: named, writable, not a file, not inside a run, not "

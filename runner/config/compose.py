@@ -98,8 +98,8 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
     except MissingConfigException as error:
         raise _missing(error, overrides) from None
     except (HydraException, OmegaConfBaseException) as error:
-        problem = _with_known_keys(explain(error), hydra, config_name, overrides, run_mode)
-        raise _swept_strategy(problem, overrides) if run_mode == RunMode.MULTIRUN else problem from None
+        raise _swept_strategy(_with_known_keys(explain(error), hydra, config_name, overrides, run_mode), overrides,
+                              run_mode) from None
     except ValueError as error:  # Hydra's word on a malformed override, e.g. `model=null`
         raise ConfigError("overrides", " ".join(overrides),
                           f"{first_line(error)} (to drop a group use ~GROUP)") from None
@@ -110,8 +110,7 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
         knobs = [o.split("=")[0] for o in overrides if re.match(r"^strategy\.\w+\.", o)]
         if not knobs:
             raise
-        problem = _not_selected(knobs[0])
-        raise _swept_strategy(problem, overrides) if run_mode == RunMode.MULTIRUN else problem from None
+        raise _swept_strategy(_not_selected(knobs[0]), overrides, run_mode) from None
     require_booleans(cfg, hydra, overrides)
     if not with_hydra:
         with open_dict(cfg):
@@ -158,12 +157,14 @@ def _not_selected(knob: str) -> Exception:
     return ConfigError(knob, None, f"strategy {name} is not selected; add it to strategy=[...] to set its knobs")
 
 
-def _swept_strategy(problem: ConfigError, overrides: Sequence[str]) -> ConfigError:
-    """A knob of a strategy that only a swept `strategy=` selects: Hydra composes a sweep's own
-    config without its swept options, so the knob must be swept too (with one value)."""
-    name = problem.key.split(".")[1] if problem.key.startswith("strategy.") and "is not selected" in str(problem) else None
+def _swept_strategy(problem: ConfigError, overrides: Sequence[str], run_mode: RunMode) -> ConfigError:
+    """`problem`, or, for a knob of a strategy that only a swept `strategy=` selects, why: Hydra
+    composes a sweep's own config without its swept options, so the knob must be swept too (with one value)."""
+    if run_mode != RunMode.MULTIRUN or not problem.key.startswith("strategy.") or "is not selected" not in str(problem):
+        return problem
+    name = problem.key.split(".")[1]
     swept = [o for o in overrides if o.startswith("strategy=") and "," in o and re.search(rf"\b{name}\b", o)]
-    if name is None or not swept:
+    if not swept:
         return problem
     value = next((o.partition("=")[2] for o in overrides if o.lstrip("+").startswith(f"{problem.key}=")), "VALUE")
     return ConfigError(problem.key, value, f"strategy {name} is selected only by the sweep ({swept[0]}), and Hydra "

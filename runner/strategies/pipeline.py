@@ -11,6 +11,10 @@ from runner.core.world import Layout
 
 KEY = "strategy.pipeline."
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
+# Refused in the command (PipelineConfig.check_backend) and, for a strategy built by hand, in the rank.
+ZBV_ON_GLOO = ("fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a gloo pair not "
+               "connected; use it on CUDA (nccl) or choose 1F1B, GPipe or Interleaved1F1B")
+NO_CLIPPING = "is not supported with strategy pipeline: each rank would clip its stages by their own norm"
 # Stages each process holds, by schedule: interleaved schedules loop over several.
 STAGES_PER_PROCESS = {"1F1B": (1, 1), "GPipe": (1, 1), "Interleaved1F1B": (2, None), "ZBVZeroBubble": (2, 2)}  # (min, max)
 
@@ -106,12 +110,9 @@ class PipelineConfig(Strategy):
     def check_backend(self, run: RunShape) -> None:
         """What torch's pipelining cannot run on this machine or with these trainer arguments."""
         require(self.schedule_mode != "ZBVZeroBubble" or run.device_type == "cuda", KEY + "schedule_mode",
-                self.schedule_mode, "fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a "
-                                    "gloo pair not connected; use it on CUDA (nccl) or choose 1F1B, GPipe or "
-                                    "Interleaved1F1B")
+                self.schedule_mode, ZBV_ON_GLOO)
         clip = getattr(run.trainer, "gradient_clip_val", None)
-        require(not clip, "trainer.gradient_clip_val", clip,
-                "is not supported with strategy pipeline: each rank would clip its stages by their own norm")
+        require(not clip, "trainer.gradient_clip_val", clip, NO_CLIPPING)
 
     def contribute(self, run: RunShape) -> Contribution:
         # Alone, the pipeline spans every process; sharding may arrange replicas of it.
