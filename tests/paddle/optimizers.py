@@ -1,7 +1,7 @@
 """PaddlePaddle's own optimizers as the reference for ours, run in a subprocess of the test (so
 that the test process never imports Paddle beside torch):
 
-    python tests/plugins/paddle_reference.py CASE.npz RESULT.npz
+    python tests/paddle/optimizers.py CASE.npz RESULT.npz
 
 CASE.npz holds `optimizer` (lamb or lars), `dtype`, `knobs` (a JSON string of the optimizer's
 arguments, `excluded` the names without weight decay), the initial parameters `init/NAME` and the
