@@ -16,7 +16,7 @@ from runner import strategies
 from runner.config.collective import CollectiveConfig, ParameterServerConfig, collective_knobs
 from runner.core.errors import ConfigError
 from runner.fleet.mapping import collective_fields, fleet_field
-from runner.fleet.message import fleet_default, strategy_class
+from runner.fleet.message import fleet_default, is_older, strategy_class
 from runner.records.files import CONFIG_YAML, holds_run, read_yaml
 
 
@@ -60,6 +60,9 @@ def export_collective(message: Any, knobs: Dict[str, Any]) -> List[str]:
         field = holder.DESCRIPTOR.fields_by_name.get(name) if key in collective_fields() else None
         if field is None or value is None:
             left_out.append(f"collective.{key} = {json.dumps(value)}: Fleet has no field for it")
+        elif is_older(key):
+            left_out.append(f"collective.{key} = {json.dumps(value)}: a field of older Fleet releases that Paddle "
+                            "3.3.1 no longer has (a file setting it would not load there)")
         elif field.type == FieldDescriptor.TYPE_INT32 and value != int(value):
             left_out.append(f"collective.{key} = {json.dumps(value)}: Fleet's field is an integer")
         else:

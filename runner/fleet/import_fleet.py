@@ -87,7 +87,7 @@ def translate(message: Any) -> Imported:
         if field.name in collective_fields():
             imported.collective[field.name] = plain(field, value)
             continue
-        if field.message_type is None:
+        if field.message_type is None or field.is_repeated:  # a scalar, or a list of tables (downpour_table_param)
             imported.not_mapped.append(unmapped(field.name, field, value, NOT_MAPPED[field.name]))
             continue
         for sub_field, sub_value in value.ListFields():

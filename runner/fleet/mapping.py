@@ -44,25 +44,36 @@ PARAMETER_SERVER_FIELDS = ("a_sync", "a_sync_configs.k_steps")
 STATIC_GRAPH = "static-graph (program) setting; PyTorch runs eagerly"
 ALLREDUCE = "collective knob without a PyTorch counterpart: DDP buckets and schedules the gradient allreduces itself"
 TENSOR_PARALLEL = "tensor parallelism is strategy.sharding.mp_degree in lightfleet (stages 2 and 3); set it by hand"
+QUANTIZATION = "quantization-aware training (QAT) is not a lightfleet strategy"
+AUTO_PARALLEL_TUNING = "Paddle auto-parallel's tuning; lightfleet's is strategy=[auto]"
 SEGMENTS = "lightfleet groups sharded units by segment_broadcast_MB only"
 # Why a Fleet field has no lightfleet meaning. A sub-message's entry covers all its fields.
 NOT_MAPPED = {
     "mode": "lightfleet always trains collectively (Fleet's COLLECTIVE mode)",
     "elastic": "elastic training is not supported",
     **{f"a_sync_configs.{spec[0]}": SERVER_RUNTIME for spec in MESSAGES["AsyncConfig"] if spec[0] != "k_steps"},
-    "adam_d2sum": PARAMETER_SERVER,
-    "heter_ccl_mode": PARAMETER_SERVER,
+    **{name: PARAMETER_SERVER for name in ("adam_d2sum", "heter_ccl_mode", "is_fl_ps_mode", "with_coordinator",
+                                          "trainer_desc_configs", "downpour_table_param", "fs_client_param")},
     "fuse_grad_size_in_num": ALLREDUCE, "last_comm_group_size_MB": ALLREDUCE, "calc_comm_same_stream": ALLREDUCE,
     "without_graph_optimization": STATIC_GRAPH, "fuse_grad_merge": STATIC_GRAPH,
     **{f"build_strategy.{name}": STATIC_GRAPH for name in (
         "enable_sequential_execution", "fuse_broadcast_ops", "enable_backward_optimizer_op_deps",
         "cache_runtime_context", "fuse_bn_add_act_ops", "enable_addto", "fix_op_run_order",
-        "allow_cuda_graph_capture", "reduce_strategy")},
+        "allow_cuda_graph_capture", "reduce_strategy", "debug_graphviz_path", "fused_attention",
+        "fused_feedforward", "fuse_dot_product_attention", "fuse_resunit")},
     "execution_strategy.use_thread_barrier": "static-graph executor setting; PyTorch runs eagerly",
     "tensor_parallel": TENSOR_PARALLEL, "tensor_parallel_configs": TENSOR_PARALLEL,
     "hybrid_configs": "dygraph hybrid-parallel degrees: set strategy.sharding's degree, dp_degree, mp_degree "
                       "and pp_degree by hand",
     "asp": "automatic sparsity (ASP) is not a lightfleet strategy",
+    "qat": QUANTIZATION, "qat_configs": QUANTIZATION,
+    "split_data": "auto-parallel's data split; lightfleet always splits the data over the data-parallel ranks",
+    "recompute_configs.enable_tuning": AUTO_PARALLEL_TUNING, "sharding_configs.enable_tuning": AUTO_PARALLEL_TUNING,
+    "recompute_configs.refined_ops_patterns": "refined recompute of Paddle's hybrid parallel (ops kept out of "
+                                              "recompute); lightfleet recomputes whole modules",
+    "sharding_configs.use_calc_stream": "stream choice of the static-graph sharding pass; FSDP schedules its own",
+    "pipeline_configs.enable_partial_send_recv": "sends tensor-parallel slices between stages (Paddle's hybrid "
+                                                 "parallel); torch.distributed.pipelining sends whole tensors",
     "semi_auto": "semi-automatic parallelism is not a lightfleet strategy",
     "auto_search": "Fleet's auto search; lightfleet's is strategy=[auto] with strategy.auto.mode=search",
     "gradient_scale_configs": "lightfleet averages gradients over the data-parallel replicas (DDP)",

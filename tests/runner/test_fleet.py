@@ -4,6 +4,7 @@ test through the real command."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ from typing import Dict, Iterator, List, Tuple
 
 import pytest
 import yaml
+from google.protobuf.descriptor import FieldDescriptor
 from omegaconf import OmegaConf
+from paddle_reference import run_paddle
 
 from runner import strategies
 from runner.config.compat import EXPERIMENTS_DIR
@@ -20,10 +23,10 @@ from runner.command import preflight
 from runner.config.checks import validate
 from runner.core.errors import Refusal
 from runner.fleet.cli import main
-from runner.fleet.import_fleet import read_fleet, run_command
+from runner.fleet.import_fleet import read_fleet, run_command, translate
 from runner.fleet.mapping import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, RENAMED, collective_fields, configured_strategy,
                                   fleet_field, knob_of)
-from runner.fleet.message import plain, shortest_float32, strategy_class
+from runner.fleet.message import OLDER_FIELDS, plain, shortest_float32, strategy_class
 from runner.strategies.amp import AmpConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -153,19 +156,22 @@ def test_fleet_reads_every_exported_knob_as_the_run_set_it(tmp_path, capsys, ove
 
 
 def test_collective_knobs_export_and_import_back(tmp_path, capsys):
+    # execution_strategy is a field of older releases: Paddle 3.3.1 would refuse a file setting it.
     overrides = ["collective.fuse_grad_size_in_MB=16", "collective.sync_batch_norm=true",
-                 "collective.build_strategy.fuse_bn_act_ops=true", "collective.execution_strategy.num_threads=2",
-                 "collective.gpu_memory_fraction=0.5"]
+                 "collective.build_strategy.fuse_bn_act_ops=true", "collective.build_strategy.fuse_gemm_epilogue=true",
+                 "collective.gpu_memory_fraction=0.5", "collective.execution_strategy.num_threads=2"]
     main(["export-fleet", str(saved_run(tmp_path, overrides)), "-o", str(tmp_path / "out.prototxt")])
     assert capsys.readouterr().err.splitlines() == [
-        "lightfleet: export-fleet: not exported: collective.gpu_memory_fraction = 0.5: Fleet has no field for it"]
+        "lightfleet: export-fleet: not exported: collective.gpu_memory_fraction = 0.5: Fleet has no field for it",
+        "lightfleet: export-fleet: not exported: collective.execution_strategy.num_threads = 2: a field of older "
+        "Fleet releases that Paddle 3.3.1 no longer has (a file setting it would not load there)"]
     assert (tmp_path / "out.prototxt").read_text().splitlines()[1:] == [
-        "sync_batch_norm: true", "fuse_grad_size_in_MB: 16", "build_strategy {", "  fuse_bn_act_ops: true", "}",
-        "execution_strategy {", "  num_threads: 2", "}"]
+        "sync_batch_norm: true", "fuse_grad_size_in_MB: 16", "build_strategy {", "  fuse_bn_act_ops: true",
+        "  fuse_gemm_epilogue: true", "}"]
     experiment = tmp_path / "cfg" / "experiment" / "back.yaml"
     main(["import-fleet", str(tmp_path / "out.prototxt"), "-o", str(experiment)])
     cfg = compose_config([f"experiment={experiment.stem}"], config_dir=str(tmp_path / "cfg"))
-    expected = compose_config(overrides[:-1])
+    expected = compose_config(overrides[:-2])
     assert OmegaConf.to_container(cfg.collective) == OmegaConf.to_container(expected.collective)
 
 
@@ -378,3 +384,128 @@ def test_the_commands_import_nothing_heavy(tmp_path):
 
 def test_floats_come_back_as_written():
     assert [shortest_float32(x) for x in (0.999, 0.0005, 32768.0, 0.1, 1e-8)] == [0.999, 0.0005, 32768.0, 0.1, 1e-8]
+
+
+# ---------------------------------------------------------------------------------- against Paddle 3.3.1
+
+def our_messages() -> Dict[str, Dict[str, Tuple]]:
+    """Every message our DistributedStrategy holds: {message: {field: (number, type, repeated, default)}}."""
+    messages: Dict[str, Dict[str, Tuple]] = {}
+    pending = [strategy_class().DESCRIPTOR]
+    while pending:
+        message = pending.pop()
+        if message.name not in messages:
+            messages[message.name] = {field.name: field_spec(field) for field in message.fields}
+            pending += [field.message_type for field in message.fields if field.message_type is not None]
+    return messages
+
+
+def field_spec(field) -> Tuple:
+    kind = (field.message_type or field.enum_type or None)
+    default = field.default_value if field.has_default_value else None
+    if field.type == field.TYPE_FLOAT and default is not None:
+        default = shortest_float32(default)
+    return field.number, kind.name if kind else field.type, field.is_repeated, default
+
+
+def test_our_message_is_paddles_with_the_older_fields_kept(tmp_path):
+    run_paddle("strategy_file", "describe", str(tmp_path / "paddle.json"))
+    with open(tmp_path / "paddle.json") as file:
+        paddles = {name: {field[0]: field for field in fields} for name, fields in json.load(file).items()}
+    ours = our_messages()
+    scalars = {FieldDescriptor.TYPE_BOOL: "bool", FieldDescriptor.TYPE_INT32: "int32",
+               FieldDescriptor.TYPE_UINT32: "uint32", FieldDescriptor.TYPE_UINT64: "uint64",
+               FieldDescriptor.TYPE_FLOAT: "float", FieldDescriptor.TYPE_DOUBLE: "double",
+               FieldDescriptor.TYPE_STRING: "string"}
+    kept = {(message, spec[0]) for message, specs in OLDER_FIELDS.items() for spec in specs}
+    for message, fields in ours.items():
+        for name, (number, kind, repeated, default) in fields.items():
+            if (message, name) in kept:
+                assert name not in paddles.get(message, {}), f"{message}.{name} is in Paddle 3.3.1"
+                continue
+            _, p_number, p_kind, p_repeated, p_default = paddles[message][name]
+            if isinstance(p_default, float) and kind == FieldDescriptor.TYPE_FLOAT:
+                p_default = shortest_float32(p_default)
+            assert (number, scalars.get(kind, kind), repeated, default) == (p_number, p_kind, p_repeated, p_default), \
+                f"{message}.{name}"
+    assert {(message, name) for message, fields in paddles.items() for name in fields} == {
+        (message, name) for message, fields in ours.items() for name in fields if (message, name) not in kept}
+
+
+@pytest.fixture(scope="module")
+def paddles_files(tmp_path_factory) -> Path:
+    """The files Paddle 3.3.1's save_to_prototxt writes (tests/paddle/strategy_file.py save)."""
+    folder = tmp_path_factory.mktemp("paddle_files")
+    run_paddle("strategy_file", "save", str(folder))
+    return folder
+
+
+def test_every_export_loads_in_paddle_with_the_same_values(tmp_path, capsys):
+    exports = []
+    cases = {**ROUND_TRIPS, "collective": ["collective.fuse_grad_size_in_MB=16", "collective.nccl_comm_num=2",
+                                           "collective.build_strategy.fuse_gemm_epilogue=true",
+                                           "collective.execution_strategy.num_threads=2"]}
+    for name, overrides in cases.items():
+        (tmp_path / name).mkdir()
+        run_dir = saved_run(tmp_path / name, overrides)
+        exports.append(tmp_path / f"{name}.prototxt")
+        assert main(["export-fleet", str(run_dir), "-o", str(exports[-1])]) == 0
+    older = tmp_path / "older_release.prototxt"  # what Paddle 3.3.1 refuses, hence never exported
+    older.write_text(RESNET50)
+    run_paddle("strategy_file", "load", str(tmp_path / "loaded.json"), *map(str, exports + [older]))
+    loaded = json.loads((tmp_path / "loaded.json").read_text())
+    for path in exports:
+        assert "bytes" in loaded[str(path)], (path.name, loaded[str(path)])
+        paddles = strategy_class().FromString(bytes.fromhex(loaded[str(path)]["bytes"]))
+        assert paddles == read_fleet(path)[0], path.name
+    assert "execution_strategy" in loaded[str(older)]["error"]
+    assert read_fleet(older)[1] == []  # still imported, every field known
+
+
+def test_every_field_paddle_writes_is_imported_or_listed_with_its_reason(paddles_files, tmp_path, capsys):
+    source = paddles_files / "every_field.prototxt"
+    import_text(tmp_path, source.read_text(), "every_field")
+    err = capsys.readouterr().err
+    assert "unknown Fleet fields skipped" not in err
+    message, _ = read_fleet(source)
+    imported = translate(message)
+    listed = [line.split(" = ")[0] for line in not_mapped(err)]
+    assert all(not line.endswith(": None") for line in not_mapped(err))
+    # Every switch is on, and a_sync_configs.k_steps >= 0: a_sync and k_steps are the parameter-server mode.
+    mapped = list(imported.strategies) + list(imported.collective) + list(PARAMETER_SERVER_FIELDS)
+    mapped += [f"{strategy}_configs.{fleet_field(message, strategy, knob)[0].name}"
+               for strategy, knobs in imported.strategies.items() for knob in knobs]
+    assert sorted(listed + mapped) == sorted(paths_set(message))
+
+
+def paths_set(message) -> List[str]:
+    """The fields `message` sets, as paths: those of a sub-message one level down, a list of
+    messages (downpour_table_param) as itself."""
+    paths = []
+    for field, value in message.ListFields():
+        if field.message_type is None or field.is_repeated:
+            paths.append(field.name)
+        else:
+            paths += [f"{field.name}.{sub.name}" for sub, _ in value.ListFields()]
+    return paths
+
+
+GUIDES = {  # the strategies tests/paddle/strategy_file.py sets as Paddle's guides do, as lightfleet imports them
+    "resnet50": ({"amp": {"init_loss_scaling": 32768.0, "use_dynamic_loss_scaling": True,
+                          "custom_black_list": ["LayerNorm"]}},
+                 {"nccl_comm_num": 2, "fuse_all_reduce_ops": True, "fuse_grad_size_in_MB": 32}, []),
+    "bert_lamb_recompute": ({"lamb": {"lamb_weight_decay": 0.01, "exclude_from_weight_decay": ["layer_norm", "bias"]},
+                             "recompute": {"checkpoints": ["blocks.0", "blocks.1"]}}, {}, []),
+    "hybrid": ({}, {}, ["hybrid_configs.dp_degree", "hybrid_configs.mp_degree", "hybrid_configs.pp_degree"]),
+    "sharding_gradient_merge": ({"gradient_merge": {"k_steps": 4, "avg": True},
+                                 "sharding": {"degree": 2, "stage": 2, "segment_broadcast_MB": 32.0}}, {}, []),
+}
+
+
+@pytest.mark.parametrize("guide", GUIDES)
+def test_the_strategies_of_paddles_guides_import_as_set(paddles_files, tmp_path, capsys, guide):
+    strategies_set, collective, listed = GUIDES[guide]
+    import_text(tmp_path, (paddles_files / f"{guide}.prototxt").read_text(), guide)
+    assert [line.split(" = ")[0] for line in not_mapped(capsys.readouterr().err)] == listed
+    imported = translate(read_fleet(paddles_files / f"{guide}.prototxt")[0])
+    assert (imported.strategies, imported.collective) == (strategies_set, collective)
