@@ -1,20 +1,27 @@
 """plugins.amp: Fleet loss scaling, float16/bfloat16 training and white/black lists, with real
-Lightning training on CPU (overflows are injected by writing inf into a gradient)."""
+Lightning training on CPU (overflows are injected by writing inf into a gradient); loss scaling
+and the lists' overlap check side by side with Paddle 3.3.1's (tests/paddle/loss_scaling.py)."""
 from __future__ import annotations
 
 import copy
+import json
+import math
 import pickle
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 import torch
 
+from paddle_reference import run_paddle
 from plugins.amp import FleetGradScaler, apply_precision_lists, build_precision
 from probe import Knob, WiringCase
 from plugins.transforms import ModelContext
 from runner.data import SyntheticClassificationData
 from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
+from runner.strategies.amp import AmpConfig
 
 INF = float("inf")
 
@@ -70,10 +77,16 @@ def fit(precision, max_steps: int, callbacks=(), model=None, ckpt_path=None) -> 
     return trainer
 
 
+def loss_scaling(**changes: Any) -> dict[str, Any]:
+    """FleetGradScaler's knobs, which are Fleet's amp_configs keys: these defaults with `changes`."""
+    return {"init_loss_scaling": 2.0, "use_dynamic_loss_scaling": True, "incr_every_n_steps": 3,
+            "decr_every_n_nan_or_inf": 2, "incr_ratio": 2.0, "decr_ratio": 0.5, **changes}
+
+
 def fp16(init_loss_scaling: float = 2.0, use_dynamic_loss_scaling: bool = True, incr_every_n_steps: int = 3):
-    return build_precision("cpu", "float16", init_loss_scaling=init_loss_scaling,
-                           use_dynamic_loss_scaling=use_dynamic_loss_scaling, incr_every_n_steps=incr_every_n_steps,
-                           decr_every_n_nan_or_inf=2, incr_ratio=2.0, decr_ratio=0.5)
+    return build_precision("cpu", "float16", **loss_scaling(init_loss_scaling=init_loss_scaling,
+                                                            use_dynamic_loss_scaling=use_dynamic_loss_scaling,
+                                                            incr_every_n_steps=incr_every_n_steps))
 
 
 def test_dynamic_scale_follows_fleet_rule_and_skips_overflow_steps():
@@ -211,6 +224,149 @@ def test_scaler_state_survives_a_checkpoint(tmp_path):
     second = Recorder(frozenset({6}))
     fit(fp16(init_loss_scaling=1024.0), max_steps=8, callbacks=[second], ckpt_path=str(path))
     assert second.scales == fleet_scales(2.0, frozenset({5, 6}), 8, 3, 2, 2.0, 0.5)[6:] == [2.0, 2.0]
+
+
+# --------------------------------------------------------------------------- Paddle as the reference
+
+
+@dataclass(frozen=True)
+class ScalingRun:
+    """Steps of one weight w (two zeros) on the loss mean(w * x) with SGD at lr 1 (with `momentum`):
+    x is [1, 1], or [1, inf] on an overflow step."""
+
+    knobs: dict[str, Any]
+    overflow_steps: frozenset[int]
+    num_steps: int
+    momentum: float = 0.0
+
+    def inputs(self) -> list[list[float]]:
+        return [[1.0, INF if step in self.overflow_steps else 1.0] for step in range(self.num_steps)]
+
+
+SCALING_RUNS = {
+    # Growth after 3 good steps, back-off after 2 overflows in a row, a lone overflow (7) that
+    # resets the good steps, a good step (8) that resets the bad ones, back-off floored at 1 (12).
+    "rule": ScalingRun(loss_scaling(), frozenset({3, 4, 7, 9, 10, 11, 12}), 14),
+    # Fleet's default scale and a ratio inexact in binary: the scale's float32 rounding.
+    "float32-rounding": ScalingRun(loss_scaling(init_loss_scaling=32768.0, incr_every_n_steps=2,
+                                                decr_every_n_nan_or_inf=1, decr_ratio=0.8),
+                                   frozenset({0, 1, 2, 5, 8, 9}), 12),
+    # 2**126 * 4 is past float32's max. (2**127 would make 1 / scale a float32 subnormal.)
+    "growth-past-float32-max": ScalingRun(loss_scaling(init_loss_scaling=2.0 ** 126, incr_every_n_steps=1,
+                                                       decr_every_n_nan_or_inf=1, incr_ratio=4.0), frozenset(), 3),
+    "static": ScalingRun(loss_scaling(init_loss_scaling=8.0, use_dynamic_loss_scaling=False), frozenset({1, 4}), 6),
+    "momentum": ScalingRun(loss_scaling(init_loss_scaling=4.0, incr_every_n_steps=100, decr_every_n_nan_or_inf=1),
+                           frozenset({2}), 5, momentum=0.5),
+}
+DYNAMIC_RUNS = [name for name, run in SCALING_RUNS.items() if run.knobs["use_dynamic_loss_scaling"]]
+# (custom_white_list, custom_black_list): Paddle op names, which Paddle does not check against its ops.
+LIST_PAIRS = [(["layer_norm"], ["layer_norm"]), (["matmul_v2", "softmax"], ["softmax", "layer_norm"]),
+              (["matmul_v2"], ["layer_norm"]), ([], ["layer_norm"])]
+
+
+@pytest.fixture(scope="module")
+def paddle_amp(tmp_path_factory) -> dict[str, Any]:
+    """Paddle's side of SCALING_RUNS (by name: `fleet` and `grad_scaler`, per step the scale, the
+    good and bad steps and w after it) and of LIST_PAIRS (in order: `fleet` and `auto_cast`, the
+    refusal's message or None). One Paddle run."""
+    folder = tmp_path_factory.mktemp("paddle_amp")
+    cases = {"scaling": [{"knobs": run.knobs, "lr": 1.0, "momentum": run.momentum, "inputs": run.inputs()}
+                         for run in SCALING_RUNS.values()],
+             "lists": LIST_PAIRS}
+    (folder / "cases.json").write_text(json.dumps(cases))
+    run_paddle("loss_scaling", str(folder / "cases.json"), str(folder / "paddle.json"))
+    result = json.loads((folder / "paddle.json").read_text())
+    return {"scaling": dict(zip(SCALING_RUNS, result["scaling"], strict=True)), "lists": result["lists"]}
+
+
+def our_steps(run: ScalingRun) -> list[dict[str, Any]]:
+    """The run with FleetGradScaler and torch's SGD; per step the scale, good and bad steps and w after it."""
+    scaler = FleetGradScaler("cpu", **run.knobs)
+    weight = torch.zeros(2, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=1.0, momentum=run.momentum)
+    steps = []
+    for inputs in run.inputs():
+        scaler.scale((weight * torch.tensor(inputs)).mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        state = scaler.state_dict()
+        steps.append({"scale": state["scale"], "good": state["_growth_tracker"], "bad": state["bad_steps"],
+                      "w": weight.tolist()})
+    return steps
+
+
+def column(steps: list[dict[str, Any]], *keys: str) -> list[tuple]:
+    """Per step, the values of `keys`."""
+    return [tuple(step[key] for key in keys) for step in steps]
+
+
+@pytest.mark.parametrize("name", DYNAMIC_RUNS)
+def test_scale_and_counters_follow_fleets_update_loss_scaling(name, paddle_amp):
+    """Exactly Fleet's scale (float32) and good/bad steps after every step; with plain SGD also its w:
+    Fleet's update_loss_scaling zeroes an overflowing step's gradients, so SGD leaves w as ours skips it."""
+    run, fleet = SCALING_RUNS[name], paddle_amp["scaling"][name]["fleet"]
+    ours = our_steps(run)
+    assert column(ours, "scale", "good", "bad") == column(fleet, "scale", "good", "bad")
+    if not run.momentum:  # momentum: test_fleets_static_amp_still_steps_on_an_overflow_unlike_ours
+        assert column(ours, "w") == column(fleet, "w")
+
+
+@pytest.mark.parametrize("name", [name for name in SCALING_RUNS if name != "growth-past-float32-max"])
+def test_overflow_steps_are_skipped_as_paddles_grad_scaler_skips_them(name, paddle_amp):
+    """Ours and Paddle's dygraph GradScaler skip the whole optimizer step on exactly the overflow
+    steps (momentum included), and count good and bad steps alike."""
+    run, grad_scaler = SCALING_RUNS[name], paddle_amp["scaling"][name]["grad_scaler"]
+    ours = our_steps(run)
+    assert column(ours, "w", "good", "bad") == column(grad_scaler, "w", "good", "bad")
+    unchanged = [after["w"] == before["w"] for before, after in zip([{"w": [0.0, 0.0]}, *ours], ours)]
+    assert unchanged == [step in run.overflow_steps for step in range(run.num_steps)]
+
+
+def test_paddles_grad_scaler_departs_from_fleets_rule_at_both_ends(paddle_amp):
+    """docs/strategies.md: Paddle's dygraph GradScaler backs off below 1 and grows past float32's max,
+    where Fleet's update_loss_scaling (and ours) floors at 1 and keeps the scale."""
+    rule = paddle_amp["scaling"]["rule"]
+    assert column(rule["fleet"], "scale") == [(s,) for s in (2, 2, 4, 4, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1)]
+    assert column(rule["grad_scaler"], "scale") == [(s,) for s in (2, 2, 4, 4, 2, 2, 2, 2, 2, 2, 1, 1, 0.5, 0.5)]
+
+    past = paddle_amp["scaling"]["growth-past-float32-max"]
+    assert column(past["fleet"], "scale") == column(our_steps(SCALING_RUNS["growth-past-float32-max"]), "scale") \
+        == [(2.0 ** 126,)] * 3
+    # An infinite scale makes every later gradient overflow: GradScaler skips every step after.
+    assert column(past["grad_scaler"], "scale") == [(INF,)] * 3
+    assert column(past["grad_scaler"], "w") == [([-0.5, -0.5],)] * 3
+
+
+def test_fleets_static_amp_still_steps_on_an_overflow_unlike_ours(paddle_amp):
+    """docs/strategies.md: Fleet's static program runs the inner optimizer on an overflow step too;
+    ours skips it, as Paddle's dygraph GradScaler does
+    (test_overflow_steps_are_skipped_as_paddles_grad_scaler_skips_them)."""
+    # Without dynamic scaling nothing zeroes the gradients: SGD writes the overflow into w.
+    static, ours = paddle_amp["scaling"]["static"]["fleet"], our_steps(SCALING_RUNS["static"])
+    assert column(static, "scale") == column(ours, "scale") == [(8.0,)] * 6
+    assert [all(map(math.isfinite, step["w"])) for step in static] == [True] + [False] * 5
+    # Zeroed gradients still take a momentum step: the velocity moves w on overflow step 2.
+    momentum, ours = paddle_amp["scaling"]["momentum"]["fleet"], our_steps(SCALING_RUNS["momentum"])
+    assert momentum[2]["w"] != momentum[1]["w"]
+    assert ours[2]["w"] == ours[1]["w"]
+
+
+def test_a_name_in_both_lists_is_refused_as_paddle_refuses_it(paddle_amp):
+    """Fleet's amp (AutoMixedPrecisionLists) and dygraph auto_cast refuse an op name in both custom
+    lists with a ValueError; strategy.amp refuses the same names with a ConfigError."""
+    def refused(white: list[str], black: list[str]) -> bool:
+        try:
+            AmpConfig(custom_white_list=white, custom_black_list=black)
+        except ConfigError:
+            return True
+        return False
+
+    ours = [refused(white, black) for white, black in LIST_PAIRS]
+    paddle_refusals = paddle_amp["lists"]
+    assert [refusal["fleet"] is not None for refusal in paddle_refusals] == ours == [True, True, False, False]
+    assert [refusal["auto_cast"] is not None for refusal in paddle_refusals] == ours
+    assert "overlaps custom_black_list with < layer_norm >" in paddle_refusals[0]["fleet"]
 
 
 # One launch, 2 processes, DDP with float16 loss scaling: an inf written into rank 0's gradient

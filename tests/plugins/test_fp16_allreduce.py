@@ -92,3 +92,16 @@ def wire_dtype(trainer, model):
 
 
 WIRING = [WiringCase({"dtype": Knob("bfloat16", wire_dtype)}, ["trainer.devices=2"])]
+
+
+# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
+
+
+ROW = []  # float16
+
+
+def row_effect(ranks):
+    """Every all-reduce of a training batch carries float16 (the gradients), on every rank."""
+    for rank in ranks:
+        reduced = [dtype for batch in rank["batches"] for op, dtype, _ in batch["collectives"] if op == "all_reduce"]
+        assert reduced and set(reduced) == {"torch.float16"}, sorted(set(reduced))

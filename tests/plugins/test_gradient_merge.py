@@ -1,19 +1,28 @@
-"""Gradient merge in real Lightning training: each SGD update equals -lr times the merged gradient."""
+"""Gradient merge in real Lightning training: each SGD update equals -lr times the merged gradient,
+and the parameters follow Fleet's own gradient merge (Paddle 3.3.1, tests/paddle/gradient_merge.py)."""
 from __future__ import annotations
 
 import copy
 import functools
+import json
+from typing import Dict, Tuple
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from paddle_reference import run_paddle
 from plugins.gradient_merge import GradientSum
 from probe import Knob, WiringCase
-from runner.models import MLPClassifier
+from runner.core.contribution import RunShape
+from runner.core.world import World
+from runner.models import ClassifierModule, MLPClassifier
+from runner.strategies.gradient_merge import GradientMergeConfig
 
 LR = 0.1
 MICRO_BATCH = 8
@@ -76,6 +85,81 @@ def test_update_is_minus_lr_times_merged_gradient(k_steps, avg, num_micro_batche
         scale = len(window) / k_steps if avg else len(window)
         for old, new, grad in zip(before, after, gradient, strict=True):
             torch.testing.assert_close(new - old, -LR * scale * grad, atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- Paddle as the reference
+
+
+class LinearClassifier(ClassifierModule):
+    """One linear layer under lightfleet's classifier loss (mean cross-entropy): the model that
+    tests/paddle/gradient_merge.py builds in Paddle."""
+
+    def __init__(self, in_features: int, num_classes: int, optimizer) -> None:
+        super().__init__(optimizer)
+        self.linear = nn.Linear(in_features, num_classes)
+
+    @override
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.linear(inputs)
+
+
+# 12 micro-batches: whole windows for k = 3 and 4 (Paddle carries a partial window over to the
+# next epoch, Lightning steps on it at the epoch's end: docs/strategies.md).
+PADDLE_RUNS = [(4, True), (4, False), (3, True), (3, False)]
+PADDLE_MICRO_BATCHES = 12
+IN_FEATURES, NUM_CLASSES = 5, 3
+
+
+@pytest.fixture(scope="module")
+def paddle_merge(tmp_path_factory) -> Tuple[Dict[str, np.ndarray], Dict[Tuple[int, bool], Dict[str, np.ndarray]]]:
+    """The case (initial `weight` and `bias`, micro-batches `inputs` and `targets`) and, per
+    (k_steps, avg) of PADDLE_RUNS and parameter name, Fleet's values before the first and after
+    each micro-batch, [N + 1, ...]; parameters in torch's layout. One Paddle run."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((NUM_CLASSES, IN_FEATURES)).astype(np.float32)
+    case = {"weight": weight, "bias": rng.standard_normal(NUM_CLASSES).astype(np.float32),
+            "inputs": rng.standard_normal((PADDLE_MICRO_BATCHES, MICRO_BATCH, IN_FEATURES)).astype(np.float32),
+            "targets": rng.integers(NUM_CLASSES, size=(PADDLE_MICRO_BATCHES, MICRO_BATCH))}
+    folder = tmp_path_factory.mktemp("paddle_gradient_merge")
+    np.savez(folder / "case.npz", lr=LR, runs=json.dumps([{"k_steps": k, "avg": avg} for k, avg in PADDLE_RUNS]),
+             **{**case, "weight": weight.T})  # Paddle's linear weight is [in, out]
+    run_paddle("gradient_merge", str(folder / "case.npz"), str(folder / "paddle.npz"))
+    result = np.load(folder / "paddle.npz")
+    histories = {run: {"linear.weight": np.concatenate([weight[None], result[f"{i}/weight"].transpose(0, 2, 1)]),
+                       "linear.bias": np.concatenate([case["bias"][None], result[f"{i}/bias"]])}
+                 for i, run in enumerate(PADDLE_RUNS)}
+    return case, histories
+
+
+@pytest.mark.parametrize("k_steps, avg", PADDLE_RUNS)
+def test_parameters_follow_fleets_gradient_merge(k_steps, avg, paddle_merge, tmp_path):
+    """Same linear classifier, initial parameters, micro-batches and SGD learning rate: after each
+    merged step ours equal Fleet's (avg=false sums the k gradients and keeps the learning rate)."""
+    case, histories = paddle_merge
+    model = LinearClassifier(IN_FEATURES, NUM_CLASSES, optimizer=functools.partial(torch.optim.SGD, lr=LR))
+    with torch.no_grad():
+        model.linear.weight.copy_(torch.from_numpy(case["weight"]))
+        model.linear.bias.copy_(torch.from_numpy(case["bias"]))
+    samples = TensorDataset(torch.from_numpy(case["inputs"]).flatten(0, 1), torch.from_numpy(case["targets"]).flatten())
+    # The trainer arguments and callbacks that strategy=[gradient_merge] contributes.
+    contribution = GradientMergeConfig(k_steps=k_steps, avg=avg).contribute(RunShape(World(1, 1, 1)))
+    recorder = RecordSteps()
+    callbacks = [component.load()(**component.kwargs) for component in contribution.callbacks] + [recorder]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=callbacks, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path, **contribution.trainer_args)
+    trainer.fit(model, train_dataloaders=DataLoader(samples, batch_size=MICRO_BATCH, shuffle=False))
+
+    names = [name for name, _ in model.named_parameters()]
+    for name, history in histories[(k_steps, avg)].items():
+        # Fleet steps on the last micro-batch of each window of k, as Lightning does.
+        assert [not np.array_equal(history[m + 1], history[m]) for m in range(PADDLE_MICRO_BATCHES)] \
+            == [(m + 1) % k_steps == 0 for m in range(PADDLE_MICRO_BATCHES)], name
+    assert len(recorder.after) == PADDLE_MICRO_BATCHES // k_steps
+    for step, after in enumerate(recorder.after):
+        for name, ours in zip(names, after, strict=True):
+            fleets = torch.from_numpy(histories[(k_steps, avg)][name][(step + 1) * k_steps])
+            torch.testing.assert_close(ours, fleets, rtol=1e-6, atol=1e-7, msg=f"{name} after step {step}")
 
 
 @pytest.mark.parametrize("avg", [True, False])

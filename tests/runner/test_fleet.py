@@ -228,7 +228,7 @@ def test_import_train_and_export_through_the_command(lightfleet, tmp_path):
 @pytest.mark.parametrize("text, problem", [
     ("lars: true\nlamb: true\nlars_configs {\n  lars_coeff: 0.002\n}\n",
      "refused: lamb+lars is not an allowed combination (lamb+lars: both replace the optimizer); "
-     "closest allowed: amp+lamb, amp+lars, lamb+recompute"),
+     "closest allowed: amp+lamb, amp+lars, fp16_allreduce+lamb"),
     ("amp: true\namp_configs {\n  decr_ratio: 1.5\n}\n", "error: strategy.amp.decr_ratio=1.5: must be in (0, 1)"),
 ], ids=["forbidden_combination", "out_of_range_knob"])
 def test_a_strategy_that_would_not_run_is_written_marked(tmp_path, capsys, text, problem):
