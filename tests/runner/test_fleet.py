@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -509,3 +510,18 @@ def test_the_strategies_of_paddles_guides_import_as_set(paddles_files, tmp_path,
     assert [line.split(" = ")[0] for line in not_mapped(capsys.readouterr().err)] == listed
     imported = translate(read_fleet(paddles_files / f"{guide}.prototxt")[0])
     assert (imported.strategies, imported.collective) == (strategies_set, collective)
+
+
+def test_docs_say_for_every_mapped_field_whether_paddle_checks_it():
+    """docs/fleet.md's mapping table: a third column for every row; a "yes" names a test module
+    that runs Paddle, a "no" gives a reason."""
+    doc = (PROJECT_ROOT / "docs" / "fleet.md").read_text()
+    table = doc[doc.index("| Fleet field | lightfleet key | checked against Paddle 3.3.1 |"):].split("\n\n")[0]
+    rows = [row.strip("|").split(" | ") for row in table.splitlines()[2:]]
+    assert len(rows) == 12 + 38
+    for field, _, checked in rows:
+        verdict, _, why = checked.partition(": ")
+        assert verdict in ("yes", "no", "the overlap refusal only") and why, field
+        for module in re.findall(r"tests/\S+\.py", why) if verdict != "no" else []:
+            text = (PROJECT_ROOT / module).read_text()
+            assert "run_paddle" in text or "steps_equal_paddles" in text, (field, module)
