@@ -40,7 +40,9 @@ def run_two_ranks(script: str, tmp_path: Path, timeout: float = 120, nproc: int 
     """Run `script` (Python source; sys.argv[1] is tmp_path) in `nproc` processes; fail with their output."""
     path = tmp_path / "ranks.py"
     path.write_text(textwrap.dedent(script))
-    paths = [str(HERE), str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    # The test helpers import as pytest's pythonpath has them (tests/plugins and tests), and the project.
+    paths = [str(HERE), str(HERE.parent), str(PROJECT_ROOT),
+             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
     for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                 "SLURM_PROCID"):
