@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from plugins.ddp import FleetDDPStrategy, process_group_timeout
 from plugins.layerwise import NO_WEIGHT_DECAY
-from plugins.modules import float_buffer_modules
+from plugins.modules import float_buffer_modules, repeated_block_list
 from plugins.transforms import ModelContext
 from runner.core.world import Layout
 
@@ -126,18 +126,25 @@ def param_bytes(module: nn.Module) -> int:
 def shard_units(root: nn.Module, segment_bytes: float) -> List[List[str]]:
     """Qualified names of the modules to shard together: consecutive modules (in registration
     order) grouped until a unit holds about `segment_bytes` of parameters. A module larger
-    than that is split into its children; parameters left outside every unit go to the root."""
+    than that is split into its children, and so are the model's repeated block list and the
+    modules holding it: its blocks are what the model's forward calls (a model may call its
+    blocks in a loop without calling the list or a wrapper around it: FSDP gathers a unit's
+    parameters when the forward of one of its modules runs). Parameters left outside every unit
+    go to the root."""
+    found = repeated_block_list(root)
+    blocks = found[0] if found else None
     atoms: List[str] = []
 
     def walk(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
-            size = param_bytes(child)
+            size, path = param_bytes(child), f"{prefix}{name}"
             if size == 0:
                 continue
-            if size > segment_bytes and any(param_bytes(c) for c in child.children()):
-                walk(child, f"{prefix}{name}.")
+            holds_blocks = blocks is not None and (blocks == path or blocks.startswith(path + "."))
+            if (size > segment_bytes or holds_blocks) and any(param_bytes(c) for c in child.children()):
+                walk(child, f"{path}.")
             else:
-                atoms.append(f"{prefix}{name}")
+                atoms.append(path)
 
     walk(root, "")
     units: List[List[str]] = []

@@ -130,11 +130,12 @@ def targets(flight: Flight) -> None:
 
 
 def the_model_on_one_batch(flight: Flight) -> None:
-    from runner.config.arguments import check_one_batch
+    from runner.config.arguments import check_one_batch, check_sizes
     from runner.config.checks import resolved
 
     if flight.model is not None and flight.datamodule is not None:
         run = resolved(flight.spec.cfg)
+        check_sizes(flight.model, flight.datamodule, run["model"], run["data"])
         check_one_batch(flight.model, flight.datamodule, run["model"], run["data"])
 
 
@@ -215,7 +216,8 @@ STAGES = (
           "LightningDataModule; every `_target_` node's arguments against its constructor (names, required "
           "ones, types); the loggers' packages installed; the model built on the meta device and the data module "
           "built, once, so their constructors' refusals stop the command", targets),
-    Stage("the model on one batch", "the meta-device model's training_step on one batch of the data, moved to "
+    Stage("the model on one batch", "the data's classes and vocabulary against the model's (num_classes, "
+          "vocab_size); the meta-device model's training_step on one batch of the data, moved to "
           "the meta device: a model and data that do not go together (token ids for an image model, float "
           "features for an embedding) are refused by torch", the_model_on_one_batch),
     Stage("the plan on the model", "the plan's model transforms (module names of recompute and amp, pipeline "

@@ -51,6 +51,9 @@ def check_arguments(key: str, node: Any) -> None:
     for name, value in node.items():
         if name in HYDRA_KEYS:
             continue
+        if value == "???":  # OmegaConf's mandatory value: a conf that ships without it (data=tokens' files)
+            raise ConfigError(f"{key}.{name}", None, f"is required: set {key}.{name}=... on the command line "
+                                                     f"or in an experiment")
         if name not in parameters and not takes_any:
             raise ConfigError.unknown_key(f"{key}.{name}", [p for p in parameters if p not in ("self", "args", "kwargs")])
         hint = hints.get(name, typing.Any)
@@ -185,6 +188,21 @@ def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> Tuple[Any, Any]
             raise ConfigError(f"{key}._target_", node["_target_"], f"made a {type(made).__name__}, not a {kind.__name__}")
         built[key] = made
     return built["model"], built["data"]
+
+
+SIZES = {"num_classes": "classes", "vocab_size": "token ids"}  # what data may hold more of than a model takes
+
+
+def check_sizes(model: Any, datamodule: Any, model_node: Dict[str, Any], data_node: Dict[str, Any]) -> None:
+    """Classes and vocabularies: data with more classes (an ImageFolder's class folders) or a larger
+    vocabulary (a tokenizer's) than the model's head or embedding would fail on the first batch that
+    holds one, or read past the embedding on a GPU; the command refuses it."""
+    for name, what in SIZES.items():
+        needed = getattr(datamodule, name, None)
+        taken = getattr(model, name, None) or getattr(model, "hparams", {}).get(name)
+        if isinstance(needed, int) and isinstance(taken, int) and needed > taken:
+            raise ConfigError(f"model.{name}", taken, f"fewer than the {needed} {what} of the data "
+                              f"({data_node['_target_']}); set model.{name}={needed} or more")
 
 
 def check_one_batch(model: Any, datamodule: Any, model_node: Dict[str, Any], data_node: Dict[str, Any]) -> None:

@@ -1,7 +1,12 @@
-"""Learnable synthetic tasks as LightningDataModules: nothing to download, nothing on disk.
+"""The built-in data: learnable synthetic tasks as LightningDataModules (nothing to download,
+nothing on disk; here), and the field's file formats (tokens.py: nanoGPT's token files,
+images.py: an ImageFolder tree, hf_text.py: Hugging Face datasets and text files).
 
-Each data module draws its whole data set from a `torch.Generator` seeded by `seed`, so
-every process of a distributed run builds identical data whatever the global RNG state.
+Each synthetic data module draws its whole data set from a `torch.Generator` seeded by `seed`,
+so every process of a distributed run builds identical data whatever the global RNG state.
+Every training order, here and in the file formats, comes from the run's seed and the epoch
+alone, and every loader is stateful: a run resumed mid-epoch continues with the batch it would
+have drawn next.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from runner.core.errors import require_at_least
 CLASS_SIGNAL = 0.5
 
 
-class _EpochAtFirstDraw(DistributedSampler):
+class EpochAtFirstDraw(DistributedSampler):
     """A DistributedSampler that orders an epoch when its first index is drawn, not when its
     iterator is made: Lightning makes a resumed run's iterator before it sets the epoch."""
 
@@ -31,7 +36,18 @@ class _EpochAtFirstDraw(DistributedSampler):
         yield from super().__iter__()
 
 
-class _SyntheticData(pl.LightningDataModule):
+def run_seed() -> int:
+    """The run's seed, which seed_everything(cfg.seed) leaves in the environment."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def replicas(trainer: Optional[pl.Trainer]) -> dict[str, int]:
+    """This rank's share of the data: DistributedSampler's num_replicas and rank (the whole data
+    without a trainer: auto's facts, the command's checks, tests)."""
+    return (trainer and trainer.distributed_sampler_kwargs) or {"num_replicas": 1, "rank": 0}
+
+
+class SplitData(pl.LightningDataModule):
     """Holds the train/val/test TensorDatasets built by `make_datasets` and serves them."""
 
     def __init__(self, batch_size: int, seed: int, num_workers: int) -> None:
@@ -65,11 +81,8 @@ class _SyntheticData(pl.LightningDataModule):
         # single process too (one replica); given one, Lightning does not wrap it. Lightning sets
         # the epoch at each epoch's start, but a run resumed mid-epoch skips to its position
         # before that: set it here.
-        trainer = self.trainer  # None when built outside a fit (auto's facts, tests)
-        replicas = (trainer and trainer.distributed_sampler_kwargs) or {"num_replicas": 1, "rank": 0}
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything(cfg.seed)
-        sampler = _EpochAtFirstDraw(self.train_set, shuffle=True, seed=seed, **replicas)
-        sampler.set_epoch(trainer.current_epoch if trainer else 0)
+        sampler = EpochAtFirstDraw(self.train_set, shuffle=True, seed=run_seed(), **replicas(self.trainer))
+        sampler.set_epoch(self.trainer.current_epoch if self.trainer else 0)
         return self._loader(self.train_set, sampler=sampler)
 
     @override
@@ -81,7 +94,7 @@ class _SyntheticData(pl.LightningDataModule):
         return self._loader(self.test_set)
 
 
-class SyntheticClassificationData(_SyntheticData):
+class SyntheticClassificationData(SplitData):
     """Gaussian noise of `input_shape` plus a fixed random offset chosen by the label.
 
     Labels are uniform over `num_classes`. Each class owns a fixed random "prototype": one
@@ -130,7 +143,7 @@ class SyntheticClassificationData(_SyntheticData):
         )
 
 
-class SyntheticLanguageModelData(_SyntheticData):
+class SyntheticLanguageModelData(SplitData):
     """Token sequences from a fixed random sparse Markov chain over `vocab_size` tokens.
 
     Every token has 2 or 3 possible successors with fixed random probabilities, so the

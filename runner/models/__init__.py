@@ -1,15 +1,18 @@
-"""Compact built-in LightningModules: a residual MLP, a small ResNet and a GPT-style decoder.
+"""The built-in LightningModules: compact ones here (a residual MLP, a small ResNet and a
+GPT-style decoder), and the field's own models in vision.py (torchvision's classifiers) and
+causal_lm.py (Hugging Face transformers' causal LMs).
 
-All three share `ClassifierModule`, which owns the loss, the metrics and the optimizer, so
-each model only defines its layers and `forward`. Every model keeps its repeated layers in
-an attribute named `blocks` holding >= 2 children of one class: activation recomputation
-finds the layers to checkpoint there.
+All share `ClassifierModule`, which owns the loss, the metrics, the optimizer and its learning-rate
+schedule, so each model only defines its layers and `forward`. Every model keeps its repeated
+layers in a list of >= 2 children of one class (`blocks` here): activation recomputation finds
+the layers to checkpoint there, and a pipeline cuts between them.
 """
 from __future__ import annotations
 
 import functools
+import math
 from collections import OrderedDict
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -32,17 +35,26 @@ class ClassifierModule(pl.LightningModule):
     on the last dimension.
     """
 
-    def __init__(self, optimizer: Optional[OptimizerFactory] = None) -> None:
+    def __init__(self, optimizer: Optional[OptimizerFactory] = None, warmup_steps: int = 0, lr_decay: str = "none",
+                 min_lr_ratio: float = 0.0, label_smoothing: float = 0.0) -> None:
+        require_at_least(0, warmup_steps=warmup_steps)
+        if lr_decay not in LR_DECAYS:
+            raise ValueError(f"lr_decay={lr_decay}: must be one of {', '.join(LR_DECAYS)}")
+        if not 0 <= min_lr_ratio <= 1 or not 0 <= label_smoothing < 1:
+            raise ValueError(f"min_lr_ratio={min_lr_ratio}, label_smoothing={label_smoothing}: must be in [0, 1]")
         super().__init__()
         # Lightning collects the subclass's constructor arguments too; the optimizer is a
         # callable, not a hyper-parameter worth saving in a checkpoint.
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+        self.warmup_steps, self.lr_decay, self.min_lr_ratio = warmup_steps, lr_decay, min_lr_ratio
+        self.label_smoothing = label_smoothing
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of `forward`'s output against the targets (pipeline parallelism
         calls it on the last stage, once per micro-batch)."""
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               label_smoothing=self.label_smoothing)
 
     def _loss_and_accuracy(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = batch
@@ -68,8 +80,31 @@ class ClassifierModule(pl.LightningModule):
         self.log_dict({"test_loss": loss, "test_acc": accuracy}, sync_dist=True)
 
     @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return self.optimizer_factory(self.parameters())
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.parameters())
+        if not self.warmup_steps and self.lr_decay == "none":
+            return optimizer
+        total = self.trainer.estimated_stepping_batches if self._trainer else self.warmup_steps
+        factor = functools.partial(lr_factor, warmup=self.warmup_steps, total=total, decay=self.lr_decay,
+                                   floor=self.min_lr_ratio)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}}
+
+
+LR_DECAYS = ("none", "cosine", "linear")
+
+
+def lr_factor(step: int, warmup: int, total: float, decay: str, floor: float) -> float:
+    """The learning rate at optimizer step `step` as a fraction of the configured one: a linear
+    warm-up from 1/warmup over `warmup` steps (Goyal et al.'s gradual warm-up), then `decay` to
+    `floor` at step `total` (cosine or linear; none keeps it)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if decay == "none" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+    return floor + (1 - floor) * shape
 
 
 # --------------------------------------------------------------------------- MLP

@@ -206,7 +206,29 @@ def test_units_group_consecutive_modules_up_to_the_segment_size():
         "token_embedding", "position_embedding", "blocks.0.ln1", "blocks.0.attn", "blocks.0.ln2", "blocks.0.mlp.0",
         "blocks.0.mlp.2"]
     assert sum(len(unit) for unit in units) == 2 + 2 * 5 + 2
-    assert shard_units(gpt, 2 ** 30) == [["token_embedding", "position_embedding", "blocks", "ln_f", "head"]]
+    # The block list is cut into its blocks, which the forward calls, however large the segment.
+    assert shard_units(gpt, 2 ** 30) == [["token_embedding", "position_embedding", "blocks.0", "blocks.1", "ln_f",
+                                          "head"]]
+
+
+def test_units_never_stop_at_a_module_whose_forward_the_model_skips():
+    """A model that calls its library model's parts in a loop (as runner/models/causal_lm.py does):
+    the wrapper holding the blocks is never a unit of its own, whose forward would never run."""
+
+    class Library(torch.nn.Module):  # a library model's container, never called itself
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.library = Library()
+            self.head = torch.nn.Linear(8, 4)
+
+    assert shard_units(Model(), 2 ** 30) == [["library.embed", "library.layers.0", "library.layers.1",
+                                              "library.layers.2", "head"]]
 
 
 # --------------------------------------------------------------------------- 2 processes

@@ -48,7 +48,7 @@ def test_strategy_knobs_keep_fleet_defaults_and_take_overrides(spec_for):
     (["strategy=[pipeline]", "strategy.pipeline.schedule_mode=1f1b"], r"schedule_mode='1f1b': allowed: 1F1B, GPipe, Interleaved1F1B, ZBVZeroBubble \(did you mean 1F1B"),
     (["strategy=[pipeline]", "strategy.pipeline.schedule_mode=Interleaved1F1B"], r"^strategy.pipeline.vpp_degree=1: schedule_mode=Interleaved1F1B needs >= 2$"),
     (["strategy=[pipeline]", "strategy.pipeline.accumulate_steps=0"], r"^strategy.pipeline.accumulate_steps=0: must be >= 1$"),
-    (["model=mlpp"], r"^model='mlpp': no such option; choose from: gpt, mlp, resnet \(did you mean mlp\?\)$"),
+    (["model=mlpp"], r"^model='mlpp': no such option; choose from: causal_lm, gpt, mlp, resnet, vision \(did you mean mlp\?\)$"),
     (["experiment=quikstart"], r"experiment='quikstart'.*did you mean quickstart"),
 ])
 def test_bad_input_is_one_line_naming_key_and_value(spec_for, overrides, message):
