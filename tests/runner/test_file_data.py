@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from data_files import image_folder, token_file
 from runner.data.tokens import TokenFileData
 
 SEQ_LEN = 8
-
-
-def token_file(path: Path, num_tokens: int, dtype=np.uint16) -> Path:
-    """Token ids 0, 1, 2, ... (mod 50000): a window's first token is its start."""
-    (np.arange(num_tokens) % 50000).astype(dtype).tofile(path)
-    return path
 
 
 @pytest.fixture
@@ -120,21 +115,6 @@ def test_files_that_cannot_serve_are_refused_in_one_line(lightfleet, tmp_path, c
 
 
 # --------------------------------------------------------------------------- data=imagefolder
-
-
-def image_folder(root: Path, per_class: int = 6, size: int = 40) -> Path:
-    """ROOT/{train,val}/{dark,light}/*.png: noise around a dark or a light grey, told apart by
-    their mean."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for label, level in (("dark", 60), ("light", 190)):
-            (root / split / label).mkdir(parents=True, exist_ok=True)
-            for index in range(per_class):
-                pixels = np.clip(rng.normal(level, 30, (size, size, 3)), 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(root / split / label / f"{index}.png")
-    return root
 
 
 def images(**knobs):
