@@ -139,6 +139,9 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     if ending.outcome == files.FINISHED:  # rank 0's results; a second node's copy of the command has none
         print(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started)}; run directory {run_dir}",
               flush=True)
+        note = input_bound_note(ending.record, spec.cfg.data)
+        if note:
+            print(note, flush=True)
     return 0
 
 
@@ -162,8 +165,27 @@ def summary_line(results: Dict[str, Any], seconds: float) -> str:
         parts.append(f"MFU {results['mfu']:.1%}")
     if results.get("peak_memory_mb"):
         parts.append(f"peak memory {results['peak_memory_mb']:,.0f} MB")
+    if results.get("data_wait_fraction") is not None:
+        parts.append(f"waiting for data {results['data_wait_fraction']:.0%} of the step time")
     parts += [f"{name} {results[name]:.4g}" for name in ("train_loss", "val_loss") if name in results]
     return ", ".join(parts)
+
+
+INPUT_BOUND = 0.1  # the share of the step time spent waiting for batches above which the summary says so
+INPUT_KNOBS = {"num_workers": "more loader workers", "pin_memory": "pinned memory (on GPUs)",
+               "prefetch_factor": "more batches prefetched by each worker"}
+
+
+def input_bound_note(results: Dict[str, Any], data: Any) -> Optional[str]:
+    """A line saying that the input does not keep up, and the data's knobs that help, when the
+    steps wait for their batches more than INPUT_BOUND of the time."""
+    fraction = results.get("data_wait_fraction")
+    if fraction is None or fraction <= INPUT_BOUND:
+        return None
+    knobs = [f"{why} (data.{name}, now {data[name]})" for name, why in INPUT_KNOBS.items() if name in data]
+    help_ = "; ".join(knobs) if knobs else "loading the data ahead of the steps (a DataLoader's num_workers)"
+    return (f"lightfleet: note: the input does not keep up: the steps waited for their batches {fraction:.0%} of "
+            f"the time ({results['data_wait_s'] * 1000:.3g} ms a step). What helps: {help_}")
 
 
 def log_to_file_only(message: str) -> None:

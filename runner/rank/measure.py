@@ -1,5 +1,6 @@
-"""Every run measures itself, on every rank: optimizer-step times, throughput, model FLOPs
-utilisation and peak memory (docs/measurements.md says what each figure means).
+"""Every run measures itself, on every rank: optimizer-step times, the time each step waits for
+its batches, throughput, model FLOPs utilisation and peak memory (docs/measurements.md says what
+each figure means).
 
 The hot path only reads a clock (a CUDA event on GPUs, so the device is synchronised only when
 the times are read: at logging steps and at the end) and counts samples; figures are computed
@@ -105,6 +106,7 @@ class RankFigures:
     samples: int  # samples this rank trained on
     measured_samples: int  # ... in the steps after warm-up
     step_times: List[float]  # seconds per optimizer step after warm-up
+    data_waits: List[float]  # ... of which the step waited for its batches
     first_step_at: float  # seconds since the epoch
     peak_memory_mb: float
     peak_reserved_mb: Optional[float]
@@ -136,6 +138,9 @@ class RunMeter(pl.Callback):
             torch.cuda.reset_peak_memory_stats(self.device)
         self.clock = StepClock(self.device)
         self.step_times: List[float] = []  # every step's, warm-up included
+        self.data_waits: List[float] = []  # every step's time waiting for its batches (host clock)
+        self.waiting = 0.0  # ... of the step under way
+        self.batch_ended_at: Optional[float] = None
         self.step_samples: List[int] = []
         self.samples = self.samples_in_step = 0
         self.first_step_at: Optional[float] = None
@@ -150,6 +155,9 @@ class RunMeter(pl.Callback):
         if self.interrupted:  # the step starts now, not when validation or the epoch began
             self.clock.restart()
             self.interrupted = False
+        elif self.batch_ended_at is not None:
+            # Between one batch's end and the next one's start, Lightning fetches the next batch.
+            self.waiting += time.perf_counter() - self.batch_ended_at
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -157,10 +165,13 @@ class RunMeter(pl.Callback):
         # The common (inputs, targets) batch directly; Lightning's search of the batch otherwise.
         first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
         self.samples_in_step += len(first) if isinstance(first, torch.Tensor) and first.dim() else extract_batch_size(batch)
+        self.batch_ended_at = time.perf_counter()
         if trainer.global_step == self.last_step:  # accumulating: the optimizer has not stepped yet
             return
         self.last_step = trainer.global_step
         self.clock.tick()
+        self.data_waits.append(self.waiting)
+        self.waiting = 0.0
         self.samples += self.samples_in_step
         self.step_samples.append(self.samples_in_step)
         self.samples_in_step = 0
@@ -182,8 +193,9 @@ class RunMeter(pl.Callback):
         # Too few steps for the warm-up asked for: all but the first (which compiles, allocates...).
         steps = len(self.step_times)
         warm = self.warmup_steps if steps > self.warmup_steps else int(steps > 1)
+        waits = self.data_waits[-steps:] if steps else []  # the steps the clock timed
         mine = RankFigures(self.data_parallel_rank, self.samples, sum(self.step_samples[warm:]),
-                           self.step_times[warm:], self.first_step_at or time.time(),
+                           self.step_times[warm:], waits[warm:], self.first_step_at or time.time(),
                            **peak_memory_mb(self.device))
         ranks = gather(mine)
         self.summary = self._summarize(ranks)
@@ -191,6 +203,7 @@ class RunMeter(pl.Callback):
     def _pause(self) -> None:
         self._read_clock()
         self.interrupted = True
+        self.batch_ended_at = None
 
     def _read_clock(self) -> None:
         if self.clock is not None:
@@ -205,6 +218,7 @@ class RunMeter(pl.Callback):
             return
         samples_per_s = sum(self.step_samples[-len(recent):]) / sum(recent) * self.data_parallel_size
         figures = {"step_time_s": statistics.median(recent), "samples_per_s": samples_per_s,
+                   "data_wait_s": statistics.median(self.data_waits[-len(recent):]),
                    "peak_memory_mb": peak_memory_mb(self.device)["peak_memory_mb"]}
         if self.tokens_per_sample:
             figures["tokens_per_s"] = samples_per_s * self.tokens_per_sample
@@ -229,9 +243,14 @@ class RunMeter(pl.Callback):
         medians = [statistics.median(rank.step_times) if rank.step_times else None for rank in ranks]
         p90s = [percentile(rank.step_times, 0.9) for rank in ranks]
         first_step_at = min(rank.first_step_at for rank in ranks)
+        waits = [(sum(rank.data_waits) / sum(rank.step_times), statistics.median(rank.data_waits))
+                 for rank in ranks if rank.step_times and rank.data_waits]
+        fraction, wait = max(waits, default=(None, None))  # the rank that waits most
         return {
             "step_time_median_s": max(filter(None, medians), default=None),
             "step_time_p90_s": max(filter(None, p90s), default=None),
+            "data_wait_s": wait,
+            "data_wait_fraction": fraction,
             "samples_per_s": samples_per_s,
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
@@ -250,7 +269,9 @@ class RunMeter(pl.Callback):
             "flops_per_sample": self.flops_per_sample,
             "peak_flops_per_device": self.peak_flops,
             "by_rank": {"peak_memory_mb": [rank.peak_memory_mb for rank in ranks],
-                        "step_time_median_s": medians},
+                        "step_time_median_s": medians,
+                        "data_wait_fraction": [sum(r.data_waits) / sum(r.step_times) if r.step_times else None
+                                               for r in ranks]},
         }
 
 

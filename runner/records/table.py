@@ -15,7 +15,7 @@ from runner.records.jobs import Job
 # Config keys that are never knobs: where files go, how they are logged, the run's name, and the
 # seed, which has a column of its own.
 NOT_KNOBS = ("paths", "hydra", "logger", "callbacks", "name", "seed")
-MEASURES = ("status", "world_size", "step_time_ms", "samples_per_s", "tokens_per_s", "mfu", "speedup",
+MEASURES = ("status", "world_size", "step_time_ms", "data_wait", "samples_per_s", "tokens_per_s", "mfu", "speedup",
             "peak_memory_mb", "train_loss", "val_loss", "seed", "git_commit")
 
 
@@ -56,6 +56,7 @@ def report_row(job: Job, knobs: Sequence[str], baseline: Optional[Job]) -> Dict[
             **{key: knob_text(job.knobs[key]) if key in job.knobs else None for key in knobs},
             "status": job.status, "world_size": results.get("world_size"),
             "step_time_ms": None if step_time is None else step_time * 1000,
+            "data_wait": results.get("data_wait_fraction"),
             "samples_per_s": speed, "tokens_per_s": results.get("tokens_per_s"), "mfu": results.get("mfu"),
             "speedup": speed / base if speed is not None and base else None,
             "peak_memory_mb": results.get("peak_memory_mb"), "train_loss": results.get("train_loss"),
@@ -72,7 +73,7 @@ def readable(column: str, value: Any) -> str:
     """A cell of report.md: 3 significant digits, mfu as a percentage, speedup as a factor."""
     if value is None:
         return ""
-    if isinstance(value, float) and column == "mfu":
+    if isinstance(value, float) and column in ("mfu", "data_wait"):
         return f"{significant(value * 100)}%"
     if isinstance(value, float):
         return significant(value) + ("x" if column == "speedup" else "")

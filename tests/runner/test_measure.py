@@ -121,7 +121,9 @@ def test_summary_counts_replicas_once_over_the_slowest_rank_and_mfu_is_the_formu
     meter.tokens_per_sample, meter.flops_per_sample, meter.peak_flops = 128, 6e9, 1e12
     meter.data_parallel_size, meter.step_samples, meter.device = 2, [8, 8, 8], torch.device("cpu")
     # Ranks 0 and 1 read the same samples (a 2-stage pipeline), as do 2 and 3: two replicas.
-    ranks = [RankFigures(replica, 24, 16, [0.1, 0.1 + 0.1 * rank], 0.0, 100.0 + rank, None)
+    # Each waits 0.01 s a step for its batches, rank 1 also 0.09 s more in its second step.
+    ranks = [RankFigures(replica, 24, 16, [0.1, 0.1 + 0.1 * rank], [0.01, 0.01 + 0.09 * (rank == 1)], 0.0,
+                         100.0 + rank, None)
              for rank, replica in enumerate([0, 0, 1, 1])]
     summary = meter._summarize(ranks)
     slowest = 0.1 + 0.4  # rank 3's two measured steps
@@ -129,6 +131,7 @@ def test_summary_counts_replicas_once_over_the_slowest_rank_and_mfu_is_the_formu
     assert summary["tokens_per_s"] == pytest.approx(32 / slowest * 128)
     assert summary["mfu"] == pytest.approx(6e9 * 32 / slowest / (1e12 * 4))  # model FLOP/s over 4 devices' peak
     assert summary["samples_seen"] == 48 and summary["peak_memory_mb"] == 103.0 and summary["global_batch"] == 16
+    assert summary["data_wait_fraction"] == pytest.approx(0.11 / 0.3) and summary["data_wait_s"] == pytest.approx(0.055)
 
 
 @pytest.mark.parametrize("name, dtype, flops", [
@@ -161,3 +164,47 @@ def test_mfu_is_taken_against_the_peak_of_the_dtype_the_run_computes_in(monkeypa
     trainer.fit(model, SyntheticClassificationData())
     assert meter.summary["peak_flops_per_device"] == peaks[dtype]
     assert meter.summary["mfu"] == pytest.approx(1e6 * meter.summary["samples_per_s"] / peaks[dtype])
+
+
+SLOW_DATA = '''
+import time
+
+from torch.utils.data import Dataset
+
+from runner.data import SyntheticClassificationData
+
+
+class Slow(Dataset):
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        time.sleep(0.004)  # a slow disk or decoder: 32 ms a batch of 8
+        return self.dataset[index]
+
+
+class SlowData(SyntheticClassificationData):
+    def make_datasets(self, generator):
+        train, val, test = super().make_datasets(generator)
+        return Slow(train), val, test
+'''
+
+
+def test_a_slow_loader_raises_the_wait_for_data_and_the_summary_says_so(lightfleet, tmp_path):
+    (tmp_path / "slow_data.py").write_text(SLOW_DATA)
+    (tmp_path / "user" / "data").mkdir(parents=True)
+    (tmp_path / "user" / "data" / "slow.yaml").write_text("_target_: slow_data.SlowData\nbatch_size: 8\nnum_workers: 0\n")
+    fractions = {}
+    for data in ("classification", "slow"):
+        done = lightfleet("--config-dir", "user", f"data={data}", "data.batch_size=8",
+                          f"paths.output_dir={data}", *QUIET)
+        assert done.returncode == 0, done.stderr[-3000:]
+        fractions[data] = results(tmp_path / data)["data_wait_fraction"]
+        assert f"waiting for data {fractions[data]:.0%} of the step time" in done.stdout
+        noted = "lightfleet: note: the input does not keep up" in done.stdout
+        assert noted == (fractions[data] > 0.1)
+    assert fractions["slow"] > 0.5 > fractions["classification"]
+    assert "(data.num_workers, now 0)" in done.stdout  # the knob that helps, for the slow data

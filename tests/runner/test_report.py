@@ -15,7 +15,7 @@ from runner.records.plots import draw_throughput_memory, pareto_front
 from runner.records.report import main
 from runner.records.table import differing_knobs
 
-MEASURES = ["status", "world_size", "step_time_ms", "samples_per_s", "tokens_per_s", "mfu", "speedup",
+MEASURES = ["status", "world_size", "step_time_ms", "data_wait", "samples_per_s", "tokens_per_s", "mfu", "speedup",
             "peak_memory_mb", "train_loss", "val_loss", "seed", "git_commit"]
 PLOTS = ["throughput.png", "throughput_memory.png", "loss_curves.png"]
 
