@@ -91,3 +91,23 @@ def test_a_resume_from_the_middle_of_an_epoch_ends_bit_for_bit(data, files, ligh
                       *checkpoint_overrides(step))
     assert done.returncode == 0, done.stderr[-3000:]
     resumes_exactly(lightfleet, tmp_path, "full", step)
+
+
+# The reference experiments as shipped, shrunk by overrides as their comments say.
+EXPERIMENTS = {
+    "gpt2_124m": lambda files: [f"data.train_bin={files / 'train.bin'}", f"data.val_bin={files / 'val.bin'}",
+                                "model.vocab_size=128", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+                                "data.seq_len=32", "strategy.gradient_merge.k_steps=2", "model.warmup_steps=2"],
+    "resnet50_fleet_collective": lambda files: [f"data.root={files / 'images'}", "model.arch=resnet18",
+                                                "model.num_classes=2", "data.image_size=32", "data.num_workers=1",
+                                                "model.warmup_steps=2"],
+}
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_the_reference_experiments_run_shrunk_on_files(experiment, files, lightfleet, tmp_path):
+    done = lightfleet(f"experiment={experiment}", *EXPERIMENTS[experiment](files), "trainer.max_steps=4",
+                      "trainer.val_check_interval=2", "paths.output_dir=run", *QUIET)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = yaml.safe_load((tmp_path / "run" / "results.yaml").read_text())
+    assert results["global_step"] == 4 and "val_loss" in results

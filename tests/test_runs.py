@@ -129,10 +129,15 @@ def test_refusals_are_reported_before_the_first_job_trains(tmp_path):
     assert len([i for i in skipped if i < first_job]) == 2  # all reported first (and again at their turn)
 
 
+# Experiments on the user's files; tests/test_real_models.py runs them on files it makes.
+ON_FILES = ("gpt2_124m", "resnet50_fleet_collective")
+
+
 def test_every_experiment_launches(lightfleet, tmp_path):
-    names = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+    names = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml") if p.stem not in ON_FILES)
     assert {"quickstart", "mlp_ddp_amp", "resnet_amp_recompute", "gpt_recompute_gradient_merge"} <= set(names)
-    done = lightfleet("-m", "experiment=glob(*)", "paths.sweep_dir=sweep", *fast(), timeout=900)
+    done = lightfleet("-m", f"experiment=glob(*,exclude=[{','.join(ON_FILES)}])", "paths.sweep_dir=sweep", *fast(),
+                      timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     ran = read(tmp_path / "sweep" / "sweep.yaml")["jobs"]
     assert sorted(job["overrides"][0] for job in ran.values()) == sorted(f"experiment={n}" for n in names)
