@@ -37,10 +37,17 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, item: tuple[int, int]) -> Any:
-        index, seed = item
+        return self.__getitems__([item])[0]
+
+    def __getitems__(self, items: list[tuple[int, int]]) -> list[Any]:
+        """A batch's samples (a DataLoader fetches a batch with one call): one fork of the RNG for
+        the batch, seeded again for each sample."""
+        samples = []
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return self.dataset[index]
+            for index, seed in items:
+                torch.default_generator.manual_seed(seed)  # the CPU's alone: torch.manual_seed seeds accelerators too
+                samples.append(self.dataset[index])
+        return samples
 
 
 class SeededOrder(EpochAtFirstDraw):
