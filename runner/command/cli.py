@@ -46,6 +46,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from runner.records import report
 
         return report.main(args[1:])
+    if args and args[0] == "prepare-data":  # text into token files, without torch
+        from runner.data import prepare
+
+        return prepare.main(args[1:])
     if args and args[0] in ("import-fleet", "export-fleet"):
         from runner.fleet import cli as fleet
 

@@ -177,7 +177,7 @@ def check_builds(model: Dict[str, Any], data: Dict[str, Any]) -> Tuple[Any, Any]
                 made = instantiate(node, _convert_="all")
         except Exception as error:  # noqa: BLE001 (whatever the user's constructor raises)
             cause = error.__cause__ or error  # instantiate wraps the constructor's exception
-            if "meta" in str(cause):  # a constructor that needs real tensors: it is built in the ranks
+            if key == "model" and "meta" in str(cause):  # a constructor that needs real tensors: built in the ranks
                 continue
             reason = first_line(cause)
             named = re.match(r"(\w+)=\S+: (.*)", reason)  # "batch_size=0: must be >= 1" names an argument

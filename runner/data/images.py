@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from runner.core.errors import require_at_least
-from runner.data import EpochAtFirstDraw, replicas, run_seed
+from runner.data.order import EpochAtFirstDraw, replicas, run_seed
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -126,7 +126,7 @@ class ImageFolderData(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        # As the synthetic data's (runner/data/__init__.py): the epoch is set here for a run resumed mid-epoch.
+        # As the synthetic data's (runner/data/synthetic.py): the epoch is set here for a run resumed mid-epoch.
         sampler = SeededOrder(self.splits["train"], shuffle=True, seed=run_seed(), **replicas(self.trainer))
         sampler.set_epoch(self.trainer.current_epoch if self.trainer else 0)
         return self._loader(SeededSamples(self.splits["train"]), sampler=sampler)
