@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from data_files import image_folder
+from data_files import bpe_tokenizer, documents, image_folder
 from test_resume import checkpoint_overrides, resumes_exactly
 
 STEPS = 16
@@ -22,12 +22,18 @@ QUIET = ["trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "tr
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
     """train.bin and val.bin: a token stream with a pattern to learn (each token fixes the next);
-    images/: dark and light PNGs, 16 of each a split."""
+    images/: dark and light PNGs, 16 of each a split; corpus/ and tokenizer.json: 400 short documents."""
     folder = tmp_path_factory.mktemp("files")
     stream = (np.arange(40_000) * 7 % 101).astype(np.uint16)
     stream.tofile(folder / "train.bin")
     stream[:4_000].tofile(folder / "val.bin")
     image_folder(folder / "images", per_class=16)
+    texts = documents(400)  # a saved Hugging Face dataset and a tokenizer trained on it, for data=hf_text
+    bpe_tokenizer(folder / "tokenizer.json", texts)
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:360]}),
+                          "validation": datasets.Dataset.from_dict({"text": texts[360:]})}).save_to_disk(folder / "corpus")
     return folder
 
 
@@ -79,9 +85,16 @@ def test_the_fields_models_train_on_files_with_the_strategies(case, files, light
     assert last < 0.9 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
 
 
+def hf_text(files: Path, *extra: str) -> list:
+    return ["model=causal_lm", "data=hf_text", f"data.path={files / 'corpus'}", f"data.tokenizer={files / 'tokenizer.json'}",
+            "data.val_split=validation", "data.seq_len=16", "data.batch_size=4", "model.vocab_size=320",
+            "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.warmup_steps=2", *extra]
+
+
 # 2 processes; the token files' epoch is 40,000 / 33 random windows (151 batches of 8 on each
-# rank), the images' 32 (2 batches on each): step 7 is inside an epoch for both.
-RESUMES = {"tokens": (lm, 7), "imagefolder": (vision, 7)}
+# rank), the images' 32 (2 batches on each), the corpus' a few hundred windows of 17 (tens of
+# batches of 4 on each): step 7 is inside an epoch for all three.
+RESUMES = {"tokens": (lm, 7), "imagefolder": (vision, 7), "hf_text": (hf_text, 7)}
 
 
 @pytest.mark.parametrize("data", RESUMES)
