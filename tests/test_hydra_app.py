@@ -104,7 +104,7 @@ def test_hydra_show_flags(lightfleet, user_dir):
 
 def test_user_config_dir_adds_options_everywhere(lightfleet, user_dir, tmp_path):
     shown = lightfleet("-cd", "my_configs", "--help").stdout
-    assert "model: gpt, mlp, resnet, user_net\n" in shown and "user_experiment" in shown
+    assert "model: causal_lm, gpt, mlp, resnet, user_net, vision\n" in shown and "user_experiment" in shown
     typo = lightfleet("-cd", "my_configs", "model=user_nett")
     assert typo.returncode == 2 and "did you mean user_net?" in typo.stderr and "Traceback" not in typo.stderr
     done = lightfleet("-cd", "my_configs", "-m", "experiment=glob(user_*)", "paths.sweep_dir=sweep", *QUICK)

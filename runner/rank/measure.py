@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytorch_lightning as pl
@@ -55,10 +56,16 @@ def declared(name: str, *owners: Any) -> Optional[float]:
 
 def peak_memory_mb(device: torch.device) -> Dict[str, Optional[float]]:
     """This rank's peak memory: CUDA's max allocated and reserved, or on CPU the process's peak
-    resident set (Linux reports it in KiB, macOS in bytes)."""
+    resident set: Linux's VmHWM, of this program since it started (getrusage's ru_maxrss survives
+    exec, and so holds the memory of the command that launched the rank when that was larger);
+    elsewhere ru_maxrss (macOS reports it in bytes)."""
     if device.type == "cuda":
         return {"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
                 "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+    status = Path("/proc/self/status")
+    if status.exists():
+        kib = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+        return {"peak_memory_mb": kib / 2**10, "peak_reserved_mb": None}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_memory_mb": peak / (2**20 if sys.platform == "darwin" else 2**10), "peak_reserved_mb": None}
 
