@@ -182,7 +182,7 @@ class Slow(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        time.sleep(0.004)  # a slow disk or decoder: 32 ms a batch of 8
+        time.sleep(0.01)  # a slow disk or decoder: 80 ms a batch of 8
         return self.dataset[index]
 
 
@@ -206,5 +206,6 @@ def test_a_slow_loader_raises_the_wait_for_data_and_the_summary_says_so(lightfle
         assert f"waiting for data {fractions[data]:.0%} of the step time" in done.stdout
         noted = "lightfleet: note: the input does not keep up" in done.stdout
         assert noted == (fractions[data] > 0.1)
-    assert fractions["slow"] > 0.5 > fractions["classification"]
+    # A loaded machine slows the steps too, so the rise is asserted, not a level.
+    assert fractions["slow"] > max(0.2, 3 * fractions["classification"])
     assert "(data.num_workers, now 0)" in done.stdout  # the knob that helps, for the slow data
