@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from runner.core.errors import require_at_least
+from runner.core.errors import did_you_mean, require_at_least
 from runner.models import ClassifierModule, OptimizerFactory
 
 CHANNELS_LAST = ("auto", "true", "false")
@@ -30,11 +30,7 @@ def torchvision_model(arch: str, num_classes: int, weights_path: Optional[str]) 
 
     known = torchvision.models.list_models(module=torchvision.models)
     if arch not in known:
-        import difflib
-
-        close = difflib.get_close_matches(arch, known, n=3)
-        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        raise ValueError(f"arch={arch}: not a torchvision classification model{hint}; "
+        raise ValueError(f"arch={arch}: not a torchvision classification model{did_you_mean(arch, known)}; "
                          f"torchvision.models.list_models() lists them")
     model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     if weights_path is not None:
