@@ -25,7 +25,11 @@ MIN_K_STEPS, MAX_K_STEPS = 1, 16
 
 
 def next_k_steps(lr0: float, loss0: float, lr: float, loss: float, init_k_steps: int) -> int:
-    """Fleet's adaptive period: ceil(sqrt(lr0 * loss / (lr * loss0) * init_k_steps)) in [1, 16]."""
+    """Fleet's adaptive period: ceil(sqrt(lr0 * loss / (lr * loss0) * init_k_steps)) in [1, 16].
+    A learning rate decayed to 0 (a cosine schedule's last step) or a first loss of 0 makes the
+    quotient unbounded: the longest period."""
+    if lr * loss0 <= 0:
+        return MAX_K_STEPS
     k = math.ceil(math.sqrt(lr0 * loss / (lr * loss0) * init_k_steps))
     return min(max(k, MIN_K_STEPS), MAX_K_STEPS)
 

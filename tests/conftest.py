@@ -9,6 +9,7 @@ from typing import Callable
 
 import pytest
 
+import data_files
 from runner.config.compose import compose_config
 from runner.config.checks import RunSpec, validate
 
@@ -57,3 +58,9 @@ def lightfleet(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
 
     return run
 
+
+
+@pytest.fixture(scope="session")
+def field_files(tmp_path_factory) -> Path:
+    """The files the field's models train on (tests/data_files.py:field_files), made once per test process."""
+    return data_files.field_files(tmp_path_factory.mktemp("field_files"))

@@ -75,3 +75,47 @@ def decoded_documents(tokenizer: Path, ids: list[int]) -> list[str]:
     text = Tokenizer.from_file(str(tokenizer)).decode(ids, skip_special_tokens=False)
     assert text.endswith(END_OF_TEXT)
     return text.split(END_OF_TEXT)[:-1]
+
+
+def field_files(folder: Path) -> Path:
+    """What the field's models train on in the tests, under `folder`: train.bin and val.bin, a
+    token stream with a pattern to learn (each token fixes the next); images/, dark and light PNGs,
+    16 of each a split; corpus/ (a saved Hugging Face dataset) and tokenizer.json trained on it,
+    400 short documents."""
+    import datasets
+
+    stream = (np.arange(40_000) * 7 % 101).astype(np.uint16)
+    stream.tofile(folder / "train.bin")
+    stream[:4_000].tofile(folder / "val.bin")
+    image_folder(folder / "images", per_class=16)
+    texts = documents(400)
+    bpe_tokenizer(folder / "tokenizer.json", texts)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:360]}),
+                          "validation": datasets.Dataset.from_dict({"text": texts[360:]})}).save_to_disk(folder / "corpus")
+    return folder
+
+
+# The command-line overrides that train the field's models, shrunk, on the files of field_files.
+
+
+def gpt2_on_tokens(files: Path, *extra: str) -> list[str]:
+    """transformers' GPT-2 (2 layers of 64) on the token files."""
+    return ["model=causal_lm", "data=tokens", f"data.train_bin={files / 'train.bin'}",
+            f"data.val_bin={files / 'val.bin'}", "data.seq_len=32", "data.batch_size=8", "model.vocab_size=128",
+            "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.warmup_steps=2",
+            "model.optimizer.lr=3e-3", *extra]
+
+
+def resnet_on_images(files: Path, *extra: str) -> list[str]:
+    """torchvision's ResNet-18 on the images, 32 pixels a side."""
+    return ["model=vision", "model.arch=resnet18", "model.num_classes=2", "data=imagefolder",
+            f"data.root={files / 'images'}", "data.image_size=32", "data.batch_size=8", "data.num_workers=0",
+            "model.warmup_steps=2", "model.optimizer.lr=0.02", *extra]
+
+
+def gpt2_on_text(files: Path, *extra: str) -> list[str]:
+    """transformers' GPT-2 (2 layers of 32) on the saved dataset, through the trained tokenizer."""
+    return ["model=causal_lm", "data=hf_text", f"data.path={files / 'corpus'}",
+            f"data.tokenizer={files / 'tokenizer.json'}", "data.val_split=validation", "data.seq_len=16",
+            "data.batch_size=4", "model.vocab_size=320", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+            "model.warmup_steps=2", *extra]

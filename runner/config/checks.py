@@ -67,14 +67,16 @@ def selected_strategies(merged: DictConfig) -> Dict[str, Any]:
 
 
 def apply_cross_field_rules(spec: RunSpec) -> None:
-    """The rules between keys of different nodes. Two rewrite the config, so that the config the
-    run saves says what ran: parameter_server.mode=geo selects localsgd, and the two-level
-    allreduce sets hybrid sharding's degrees. The others refuse: evaluate without a checkpoint,
-    test or evaluate with the pipeline."""
+    """The rules between keys of different nodes. Three rewrite the config, so that the config the
+    run saves says what ran: parameter_server.mode=geo selects localsgd, the two-level allreduce
+    sets hybrid sharding's degrees, and trainer.enable_checkpointing=false leaves out the
+    checkpoint callback. The others refuse: evaluate without a checkpoint, test or evaluate with
+    the pipeline."""
     cfg = spec.cfg
     try:
         as_localsgd(OmegaConf.to_object(cfg.parameter_server), cfg)
         as_hybrid_sharding(OmegaConf.to_object(cfg.collective), cfg)
+        without_checkpoint_callbacks(cfg)
         spec.strategies = selected_strategies(cfg)
     except OmegaConfBaseException as error:
         raise explain(error) from None
@@ -112,6 +114,16 @@ def as_localsgd(parameter_server: schema.ParameterServerConfig, merged: DictConf
         require(localsgd.k_steps == parameter_server.k_steps, "strategy.localsgd.k_steps", localsgd.k_steps,
                 f"parameter_server.mode=geo runs as localsgd with parameter_server.k_steps={parameter_server.k_steps}; "
                 f"set one of them")
+
+
+def without_checkpoint_callbacks(merged: DictConfig) -> None:
+    """trainer.enable_checkpointing=false drops the callbacks group's ModelCheckpoint (the default
+    config has one), which Lightning would refuse beside it in every rank."""
+    if merged.trainer.enable_checkpointing is not False:
+        return
+    for name in [name for name, node in merged.callbacks.items()
+                 if node and str(node.get("_target_", "")).rpartition(".")[2] == "ModelCheckpoint"]:
+        del merged.callbacks[name]
 
 
 def as_hybrid_sharding(collective: schema.CollectiveConfig, merged: DictConfig) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distributed import load_ranks, run_two_ranks
-from plugins.adaptive_localsgd import AdaptiveModelAveraging
+from plugins.adaptive_localsgd import AdaptiveModelAveraging, next_k_steps
 from probe import Knob, WiringCase
 
 BEGIN_STEP = 2
@@ -172,6 +172,13 @@ def test_period_grows_when_the_learning_rate_decays_faster_than_the_loss_falls(r
     assert min(losses) < 0.25 * losses[BEGIN_STEP - 1]  # the loss fell a lot, the learning rate more
     assert periods == sorted(periods)  # non-decreasing
     assert periods[-1] == 16 > init_k_steps  # up to the cap
+
+
+def test_a_learning_rate_decayed_to_zero_gives_the_longest_period():
+    """The last step of a cosine decay to 0 (model=vision's default) divided by zero before."""
+    assert next_k_steps(lr0=0.1, loss0=2.0, lr=0.0, loss=1.0, init_k_steps=4) == 16
+    assert next_k_steps(lr0=0.1, loss0=0.0, lr=0.1, loss=0.0, init_k_steps=4) == 16
+    assert next_k_steps(lr0=0.1, loss0=2.0, lr=0.1, loss=0.5, init_k_steps=4) == 1  # sqrt(1) rounds up to 1
 
 
 def test_state_round_trips_through_a_checkpoint():

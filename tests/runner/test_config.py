@@ -83,3 +83,9 @@ def test_knob_reference_is_current():
     from runner.config.knobs import render
 
     assert (PROJECT_ROOT / "docs" / "knobs.md").read_text() == render()
+
+
+def test_no_checkpointing_leaves_the_checkpoint_callback_out(spec_for):
+    assert "model_checkpoint" in spec_for().cfg.callbacks
+    assert "model_checkpoint" not in spec_for("trainer.enable_checkpointing=false").cfg.callbacks
+    assert "model_checkpoint" in spec_for("trainer.enable_checkpointing=true").cfg.callbacks

@@ -202,10 +202,11 @@ def test_a_slow_loader_raises_the_wait_for_data_and_the_summary_says_so(lightfle
         done = lightfleet("--config-dir", "user", f"data={data}", "data.batch_size=8",
                           f"paths.output_dir={data}", *QUIET)
         assert done.returncode == 0, done.stderr[-3000:]
-        fractions[data] = results(tmp_path / data)["data_wait_fraction"]
+        measured = results(tmp_path / data)
+        fractions[data] = measured["data_wait_fraction"]
         assert f"waiting for data {fractions[data]:.0%} of the step time" in done.stdout
         noted = "lightfleet: note: the input does not keep up" in done.stdout
-        assert noted == (fractions[data] > 0.1)
+        assert noted == (fractions[data] > 0.1 and measured["data_wait_s"] >= 0.001)  # a loader's own cost is no note
     # A loaded machine slows the steps too, so the rise is asserted, not a level.
     assert fractions["slow"] > max(0.2, 3 * fractions["classification"])
     assert "(data.num_workers, now 0)" in done.stdout  # the knob that helps, for the slow data
