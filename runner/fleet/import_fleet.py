@@ -2,7 +2,8 @@
 `DistributedStrategy.save_to_prototxt` writes it) as a lightfleet experiment. Each field the file
 sets becomes the lightfleet key it maps to (runner/fleet/mapping.py); every other one is listed
 with why it has no lightfleet meaning, on stderr and as a comment of the experiment: nothing is
-dropped silently.
+dropped silently. A knob of a selected strategy that the file leaves out takes Fleet's default
+where it differs from lightfleet's (the file means Fleet's), said likewise.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from runner.config.collective import ParameterServerConfig
 from runner.config.compat import EXPERIMENTS_DIR, check, load_table
 from runner.core.errors import ConfigError, Refusal
 from runner.fleet.mapping import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, collective_fields, configured_strategy,
-                                  knob_of)
-from runner.fleet.message import plain, strategy_class
+                                  fleet_field, knob_of)
+from runner.fleet.message import fleet_default, plain, strategy_class
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class Imported:
     not_mapped: List[str]  # "field = value: why", one per field the file sets without a lightfleet meaning
     collective: Dict[str, Any] = dataclasses.field(default_factory=dict)  # collective.* key -> value
     parameter_server: Dict[str, Any] = dataclasses.field(default_factory=dict)  # parameter_server.* knobs
+    fleet_defaults: List[str] = dataclasses.field(default_factory=list)  # "key = value (lightfleet's default: ...)"
 
 
 # ---- reading a Fleet file ------------------------------------------------------------------------------
@@ -92,7 +94,25 @@ def translate(message: Any) -> Imported:
             continue
         for sub_field, sub_value in value.ListFields():
             take_config_field(imported, field.name, sub_field, sub_value)
+    for name in imported.strategies:
+        take_fleet_defaults(imported, message, name)
     return imported
+
+
+def take_fleet_defaults(imported: Imported, message: Any, strategy: str) -> None:
+    """The knobs of `strategy` that the file leaves out, at Fleet's default where lightfleet's differs
+    (e.g. amp's decr_ratio 0.8, not 0.5)."""
+    knobs = imported.strategies[strategy]
+    for knob, default in dataclasses.asdict(strategies.schemas()[strategy]()).items():
+        target = fleet_field(message, strategy, knob)
+        if knob in knobs or target is None:
+            continue
+        _, from_fleet = knob_of(strategy, target[0].name)
+        value = from_fleet(fleet_default(target[0]))
+        if value != default:
+            knobs[knob] = value
+            imported.fleet_defaults.append(f"strategy.{strategy}.{knob} = {json.dumps(value)} "
+                                           f"(lightfleet's default: {json.dumps(default)})")
 
 
 def take_parameter_server(imported: Imported, message: Any) -> None:
@@ -178,6 +198,9 @@ def experiment_text(imported: Imported, source: Path, experiment: Path, found: L
     lines += [f"# NEEDS A CHOICE before it runs: {problem}" for problem in found]
     lines += [f"# Imported from the Fleet strategy file {source} by `lightfleet import-fleet`.",
               f"# Run: {run_command(experiment)}"]
+    if imported.fleet_defaults:
+        lines.append("# Fleet's defaults, for what the file leaves out where lightfleet's differ:")
+        lines += [f"#   {line}" for line in imported.fleet_defaults]
     if imported.not_mapped:
         lines.append("# Fields of the Fleet file without a lightfleet meaning (docs/fleet.md):")
         lines += [f"#   {line}" for line in imported.not_mapped]
@@ -214,6 +237,7 @@ def import_fleet(source: Path, experiment: Path) -> Tuple[List[str], str]:
     experiment.parent.mkdir(parents=True, exist_ok=True)
     experiment.write_text(experiment_text(imported, source, experiment, found))
     notes = [f"import-fleet: warning: unknown Fleet fields skipped: {', '.join(unknown)}"] if unknown else []
+    notes += [f"import-fleet: Fleet's default: {line}" for line in imported.fleet_defaults]
     notes += [f"import-fleet: not mapped: {line}" for line in imported.not_mapped] + found
     marked = " (marked: it needs a choice)" if found else ""
     return notes, f"wrote {experiment}{marked}; run: {run_command(experiment)}"

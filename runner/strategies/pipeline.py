@@ -12,7 +12,7 @@ from runner.core.world import Layout
 KEY = "strategy.pipeline."
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
 # Refused in the command (PipelineConfig.check_backend) and, for a strategy built by hand, in the rank.
-ZBV_ON_GLOO = ("fails on the gloo backend (CPU) in torch 2.13: its first p2p exchange finds a gloo pair not "
+ZBV_ON_GLOO = ("fails on the gloo backend (CPU) in torch 2.13 and 2.14: its first p2p exchange finds a gloo pair not "
                "connected; use it on CUDA (nccl) or choose 1F1B, GPipe or Interleaved1F1B")
 NO_CLIPPING = "is not supported with strategy pipeline: each rank would clip its stages by their own norm"
 # Stages each process holds, by schedule: interleaved schedules loop over several.

@@ -27,7 +27,7 @@ from runner.fleet.cli import main
 from runner.fleet.import_fleet import read_fleet, run_command, translate
 from runner.fleet.mapping import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, RENAMED, collective_fields, configured_strategy,
                                   fleet_field, knob_of)
-from runner.fleet.message import OLDER_FIELDS, plain, shortest_float32, strategy_class
+from runner.fleet.message import OLDER_FIELDS, fleet_default, plain, shortest_float32, strategy_class
 from runner.strategies.amp import AmpConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -202,7 +202,8 @@ def test_resnet50_strategy_imports_as_amp_with_its_knobs(tmp_path, capsys):
     assert [line.split(": ")[0] for line in listed] == RESNET50_NOT_MAPPED  # each once, in the file's order
     assert all(len(line.split(": ", 1)[1]) > 10 for line in listed)  # each with its reason
     assert imported_strategies(experiment) == {
-        "amp": AmpConfig(init_loss_scaling=32768.0, use_dynamic_loss_scaling=True, custom_black_list=["LayerNorm"])}
+        "amp": AmpConfig(init_loss_scaling=32768.0, use_dynamic_loss_scaling=True, custom_black_list=["LayerNorm"],
+                         decr_ratio=0.8)}  # Fleet's default, which the file leaves out
     head = experiment.read_text().splitlines()
     assert head[:3] == ["# @package _global_",
                         f"# Imported from the Fleet strategy file {tmp_path / 'fleet_resnet.prototxt'} by "
@@ -256,8 +257,9 @@ def test_unknown_fields_are_warned_and_the_rest_imported(tmp_path, capsys):
     experiment = import_text(tmp_path, text)
     assert capsys.readouterr().err.splitlines() == [
         "lightfleet: import-fleet: warning: unknown Fleet fields skipped: future_switch, amp_configs.use_promote, "
-        "future_configs"]
-    assert imported_strategies(experiment) == {"amp": AmpConfig(init_loss_scaling=1024.0)}
+        "future_configs",
+        "lightfleet: import-fleet: Fleet's default: strategy.amp.decr_ratio = 0.8 (lightfleet's default: 0.5)"]
+    assert imported_strategies(experiment) == {"amp": AmpConfig(init_loss_scaling=1024.0, decr_ratio=0.8)}
 
 
 @pytest.mark.parametrize("text, parameter_server, strategy_list, listed, problem", [
@@ -493,7 +495,7 @@ def paths_set(message) -> List[str]:
 
 GUIDES = {  # the strategies tests/paddle/strategy_file.py sets as Paddle's guides do, as lightfleet imports them
     "resnet50": ({"amp": {"init_loss_scaling": 32768.0, "use_dynamic_loss_scaling": True,
-                          "custom_black_list": ["LayerNorm"]}},
+                          "custom_black_list": ["LayerNorm"], "decr_ratio": 0.8}},  # Fleet's default, left out
                  {"nccl_comm_num": 2, "fuse_all_reduce_ops": True, "fuse_grad_size_in_MB": 32}, []),
     "bert_lamb_recompute": ({"lamb": {"lamb_weight_decay": 0.01, "exclude_from_weight_decay": ["layer_norm", "bias"]},
                              "recompute": {"checkpoints": ["blocks.0", "blocks.1"]}}, {}, []),
@@ -525,3 +527,20 @@ def test_docs_say_for_every_mapped_field_whether_paddle_checks_it():
         for module in re.findall(r"tests/\S+\.py", why) if verdict != "no" else []:
             text = (PROJECT_ROOT / module).read_text()
             assert "run_paddle" in text or "steps_equal_paddles" in text, (field, module)
+
+
+def test_a_knob_the_file_leaves_out_takes_fleets_default(tmp_path):
+    """A Fleet user's file means Fleet's defaults: every strategy switched on and nothing else set
+    imports with each knob that has a Fleet field at Fleet's default, the rest at lightfleet's."""
+    source = tmp_path / "switches.prototxt"
+    source.write_text("".join(f"{name}: true\n" for name in strategies.names() if name != "auto"))
+    message, _ = read_fleet(source)
+    imported = translate(message)
+    differing = 0
+    for name, knobs in imported.strategies.items():
+        for knob, default in dataclasses.asdict(strategies.schemas()[name]()).items():
+            target = fleet_field(message, name, knob)
+            fleets = knob_of(name, target[0].name)[1](fleet_default(target[0])) if target else default
+            assert knobs.get(knob, default) == fleets, (name, knob)
+            differing += fleets != default
+    assert differing == len(imported.fleet_defaults) >= 4  # amp's decr_ratio, pipeline's batches, sharding's degree
