@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from runner.records.files import LOSS_CURVES_PNG, THROUGHPUT_MEMORY_PNG, THROUGHPUT_PNG
 from runner.records.jobs import Job
-from runner.records.table import by_throughput
+from runner.records.table import by_throughput, significant
 
 NO_THROUGHPUT = "no finished job reports samples/s"
 
@@ -50,7 +50,7 @@ def draw_throughput(axes: Any, jobs: Sequence[Job]) -> None:
         return note(axes, NO_THROUGHPUT)
     measured.reverse()  # barh draws from the bottom: the fastest on top
     bars = axes.barh([job.label for job in measured], [job.samples_per_s for job in measured])
-    axes.bar_label(bars, fmt="%.3g", padding=3)
+    axes.bar_label(bars, labels=[significant(job.samples_per_s) for job in measured], padding=3)
 
 
 def draw_throughput_memory(axes: Any, jobs: Sequence[Job]) -> None:
@@ -66,6 +66,9 @@ def draw_throughput_memory(axes: Any, jobs: Sequence[Job]) -> None:
     front = pareto_front(measured)
     axes.plot(*zip(*(measured[label] for label in front)), color="C3", marker="o", markersize=11,
               fillstyle="none", label="Pareto front (no job faster with no more memory)")
+    # From zero: a zoomed axis makes a few MB of noise look like differences between the jobs.
+    axes.set_xlim(left=0)
+    axes.set_ylim(bottom=0)
     axes.legend(fontsize=8)
 
 
@@ -75,7 +78,7 @@ def draw_loss_curves(axes: Any, jobs: Sequence[Job]) -> None:
     if not logged:
         return note(axes, "no job logged train_loss" + ("" if any(job.finished for job in jobs) else ": no finished job"))
     for job in logged:
-        axes.plot(*zip(*job.loss_curve), label=job.label)
+        axes.plot(*zip(*job.loss_curve), label=job.label, marker="o", markersize=3)  # a one-point curve shows
     axes.legend(fontsize=8)
 
 

@@ -15,6 +15,8 @@ from runner.records.jobs import Job
 # Config keys that are never knobs: where files go, how they are logged, the run's name, and the
 # seed, which has a column of its own.
 NOT_KNOBS = ("paths", "hydra", "logger", "callbacks", "name", "seed")
+# Fewer measured steps than this make a job's speed a few samples of a noisy clock: the report says so.
+MIN_MEASURED_STEPS = 20
 MEASURES = ("status", "world_size", "step_time_ms", "data_wait", "samples_per_s", "tokens_per_s", "mfu", "speedup",
             "peak_memory_mb", "train_loss", "val_loss", "seed", "git_commit")
 
@@ -97,10 +99,22 @@ def header(paths: Sequence[Path], jobs: Sequence[Job], baseline: Optional[Job]) 
     return f"Report of {covered}: {len(jobs)} job{'s' * (len(jobs) != 1)}; {against}."
 
 
-def markdown(title: str, columns: Sequence[str], rows: Sequence[Dict[str, Any]]) -> str:
+def markdown(title: str, columns: Sequence[str], rows: Sequence[Dict[str, Any]], notes: Sequence[str] = ()) -> str:
     lines = [title, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(readable(column, row[column]) for column in columns) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *(["", *notes] if notes else [])]) + "\n"
+
+
+def few_steps_notes(jobs: Sequence[Job]) -> List[str]:
+    """A line for each finished job whose speed rests on fewer than MIN_MEASURED_STEPS steps."""
+    notes = []
+    for job in jobs:
+        steps = job.results.get("measured_steps")
+        if job.finished and steps is not None and steps < MIN_MEASURED_STEPS:
+            notes.append(f"Note: job {job.label} measured {steps} step{'s' * (steps != 1)} (after "
+                         f"{job.results.get('warmup_steps', 0)} warm-up): its speed and speedup are within the "
+                         f"noise; measure at least {MIN_MEASURED_STEPS} (trainer.max_steps, measure.warmup_steps).")
+    return notes
 
 
 def write_table(jobs: Sequence[Job], baseline: Optional[Job], title: str, out: Path) -> List[Path]:
@@ -112,7 +126,7 @@ def write_table(jobs: Sequence[Job], baseline: Optional[Job], title: str, out: P
         writer = csv.DictWriter(table, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)  # floats as repr: full precision; None as an empty cell
-    text = markdown(title, columns, rows)
+    text = markdown(title, columns, rows, few_steps_notes(jobs))
     (out / REPORT_MD).write_text(text)
     print(text)
     return [out / REPORT_CSV, out / REPORT_MD]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from runner.records.jobs import Job, read_job, read_loss_curve
-from runner.records.plots import draw_throughput_memory, pareto_front
+from runner.records.plots import draw_loss_curves, draw_throughput, draw_throughput_memory, pareto_front
 from runner.records.report import main
 from runner.records.table import differing_knobs
 
@@ -209,4 +209,32 @@ def test_the_memory_plot_puts_memory_across_and_throughput_up(tmp_path):
     draw_throughput_memory(axes, jobs)
     assert "memory" in axes.get_xlabel() and "throughput" in axes.get_ylabel()
     assert axes.collections[0].get_offsets().tolist() == [[100.0, 50.0], [3000.0, 400.0]]
+    assert axes.get_xlim()[0] == 0 and axes.get_ylim()[0] == 0  # from zero: a few MB of noise look as small as they are
     pyplot.close(figure)
+
+
+def test_the_bars_read_as_plain_numbers_and_a_one_point_loss_curve_shows(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    jobs = [read_job(make_job(tmp_path / name, samples_per_s=rate), name) for name, rate in (("a", 12700.4), ("b", 230.2))]
+    figure, (bars, curves) = pyplot.subplots(2)
+    draw_throughput(bars, jobs)
+    assert sorted(text.get_text() for text in bars.texts) == ["12700", "230"]  # not 1.27e+04 beside 230
+    (tmp_path / "a" / "csv" / "metrics.csv").write_text("epoch,step,train_loss\n0,0,1.5\n")
+    draw_loss_curves(curves, [read_job(tmp_path / "a", "a")])
+    assert curves.lines[0].get_marker() == "o"
+    pyplot.close(figure)
+
+
+def test_a_job_measured_over_few_steps_is_noted_under_the_table(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    make_job(sweep / "0", samples_per_s=100.0, measured_steps=5, warmup_steps=5)
+    make_job(sweep / "1", strategy={"amp": {"dtype": "float16"}}, samples_per_s=150.0, measured_steps=40)
+    make_sweep(sweep)
+    assert main([str(sweep)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Note:")]
+    assert notes == ["Note: job 0 (none) measured 5 steps (after 5 warm-up): its speed and speedup are within the "
+                     "noise; measure at least 20 (trainer.max_steps, measure.warmup_steps)."]
+    assert notes[0] in (sweep / "report.md").read_text()
