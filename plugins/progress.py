@@ -3,15 +3,29 @@
 again at every epoch, and its rich bar reads "Epoch 1/-2" (max_epochs is -1 when steps bound the
 run). Where epochs bound the run, both behave exactly as Lightning's. The plan adds
 `StepsProgressBar` unless the config's callbacks bring a bar (runner/config/checks.py);
-conf/callbacks/rich_progress_bar.yaml brings `RichStepsProgressBar`.
+conf/callbacks/rich_progress_bar.yaml brings `RichStepsProgressBar`. Neither shows Lightning's
+`v_num` (the logger's version: "csv").
+
+In a run of several processes, each line a rank writes reaches the console as a line of its own
+("[rank0]:..."), so a bar would print a line per refresh. There `StepsProgressBar` draws into
+`ProgressRelay`, a file holding its latest line (RELAY_ENV names it), and the command draws that
+line in place (runner/command/console.py).
 """
 from __future__ import annotations
 
-from typing import Any, Union
+import contextlib
+import os
+import re
+from pathlib import Path
+from typing import Any, Dict, Union
 
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
 from typing_extensions import override
+
+from runner.command.console import RELAY_ENV
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def bounded_by_steps(trainer: "pl.Trainer") -> bool:
@@ -39,9 +53,68 @@ class _CountsSteps:
         shown = trainer.global_step - 1 if bounded_by_steps(trainer) else batch_idx
         super().on_train_batch_end(trainer, pl_module, outputs, batch, shown)
 
+    @override
+    def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Dict[str, Union[int, str, float]]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+class ProgressRelay:
+    """A text stream for tqdm that keeps only the line it draws last, in the file at `path`
+    (replaced whole, so a reader never sees half a line)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.line = path, ""
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, text: str) -> int:
+        parts = [part.strip() for part in re.split(r"[\r\n]", ANSI_ESCAPE.sub("", text))]
+        line = next((part for part in reversed(parts) if part), self.line)  # a bar cleared on close keeps its line
+        if line != self.line:
+            self.line = line
+            staged = self.path.with_suffix(".tmp")
+            staged.write_text(line)
+            os.replace(staged, self.path)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
 
 class StepsProgressBar(_CountsSteps, TQDMProgressBar):
-    """Lightning's default (tqdm) bar, counting steps where steps bound the run."""
+    """Lightning's default (tqdm) bar, counting steps where steps bound the run; into a
+    ProgressRelay where the command draws it (RELAY_ENV)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        relay = os.environ.get(RELAY_ENV)
+        self.relay = ProgressRelay(Path(relay)) if relay else None
+
+    def _drawn(self, make: Any) -> Any:
+        """The bar `make()` builds, drawing into the relay if there is one (Lightning gives its bars sys.stdout)."""
+        with contextlib.redirect_stdout(self.relay) if self.relay else contextlib.nullcontext():
+            return make()
+
+    @override
+    def init_sanity_tqdm(self) -> Any:
+        return self._drawn(super().init_sanity_tqdm)
+
+    @override
+    def init_train_tqdm(self) -> Any:
+        return self._drawn(super().init_train_tqdm)
+
+    @override
+    def init_validation_tqdm(self) -> Any:
+        return self._drawn(super().init_validation_tqdm)
+
+    @override
+    def init_predict_tqdm(self) -> Any:
+        return self._drawn(super().init_predict_tqdm)
+
+    @override
+    def init_test_tqdm(self) -> Any:
+        return self._drawn(super().init_test_tqdm)
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", *args: Any) -> None:

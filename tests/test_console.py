@@ -5,6 +5,7 @@ hydra.verbose=true; the progress bar counts steps when max_steps bounds the run.
 checkpoints (distributed-checkpoint directories) then serve `ckpt_path`'s checks."""
 from __future__ import annotations
 
+import io
 import logging
 import re
 import warnings
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugins.progress import ProgressRelay
 from plugins.resume import own
 from runner.command import cli, preflight
+from runner.command.console import AboveTheBar, InPlaceBar
 from runner.config.compose import CONFIG_NAME
 from runner.rank.train import NotFromLibraries
 from runner.records.run_dir import checkpoint_contents
@@ -45,6 +48,10 @@ def test_a_multi_process_runs_console_holds_only_lightfleets_lines(lightfleet, t
     done = lightfleet(*command, "trainer.max_steps=3", "paths.output_dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not QUIET.search(console(done)), console(done)
+    # One bar, rank 0's, drawn by the command: not a line per refresh behind "[rank0]:"
+    bars = [line for line in console(done).splitlines() if "step:" in line or "it/s" in line]
+    assert len(bars) == 1 and bars[0].startswith("Epoch 0, step: 100%") and "3/3" in bars[0], bars
+    assert "v_num" not in bars[0]
     log = job_log(tmp_path / "run")
     assert WARNED in log and "[rank 0][py.warnings][WARNING]" in log and "[rank 1]" in log
     # The run's checkpoint, a distributed-checkpoint directory, read as the preflight reads it.
@@ -95,3 +102,23 @@ def test_the_console_keeps_lightfleets_and_the_users_warnings_and_leaves_the_lib
     assert [line.splitlines()[0].split(": ", 2)[-1] for line in shown] == [
         "the checkpoint holds the random generators of 2 ranks, this run has 1: each starts from the seed",
         "the user's own", "lightfleet's"]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_relayed_bar_is_one_line_redrawn_below_what_else_is_written(tmp_path):
+    relay = ProgressRelay(tmp_path / "logs" / "progress.line")
+    relay.write("\rEpoch 0, step:  50%|#    | 1/2 [00:00]\x1b[A")  # as tqdm draws, with a cursor move
+    relay.write("\r" + " " * 20 + "\r")  # a bar cleared as it closes keeps its line
+    assert (tmp_path / "logs" / "progress.line").read_text() == "Epoch 0, step:  50%|#    | 1/2 [00:00]"
+    screen = Terminal()
+    bar = InPlaceBar(screen)
+    bar.show("step 1/2")
+    AboveTheBar(screen, bar).write("[rank0]:lightfleet: a line\n")
+    bar.show("step 2/2")
+    bar.finish("step 2/2")
+    assert screen.getvalue() == ("\rstep 1/2\x1b[K" "\r\x1b[K[rank0]:lightfleet: a line\n\rstep 1/2\x1b[K"
+                                 "\rstep 2/2\x1b[K" "\r\x1b[Kstep 2/2\n")
