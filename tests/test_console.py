@@ -72,6 +72,8 @@ def test_a_single_process_run_keeps_its_log_and_counts_steps_on_the_progress_bar
     assert re.search(r"Epoch 1, step: 100%\|[^|]*\| 40/40", done.stdout), done.stdout[-2000:]
     log = job_log(tmp_path / "run")
     assert "GPU available" in log and "[py.warnings][WARNING]" in log  # Lightning's lines and the warnings
+    assert "lightfleet: run directory" in log and "lightfleet: done: 40 steps" in log  # and the job's own
+    assert "][INFO] -" not in console(done)  # the console's lines as they are, without the log's prefix
     rich = lightfleet("experiment=quickstart", "trainer.max_steps=40", "callbacks=rich_progress_bar",
                       "paths.output_dir=rich")
     assert rich.returncode == 0, rich.stderr[-3000:]

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, TextIO, Tuple
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -109,7 +109,7 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         spec, plan = chosen
     create_run_dir(spec.cfg, plan, command, records)
     run_dir = Path(spec.cfg.paths.output_dir)
-    print(f"{format_plan(plan, everything=False)}\nlightfleet: run directory {run_dir}", flush=True)
+    say(f"{format_plan(plan, everything=False)}\nlightfleet: run directory {run_dir}")
     started = time.monotonic()
     try:
         launcher.run(records, World(**plan.world))
@@ -126,8 +126,8 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
             return preempted(records, run_dir, signal.SIGINT if INTERRUPTED in codes.values() else signal.SIGTERM)
         first_rank, first = failure.get_first_failure()
         reason = last_error_line(records / files.LOGS_DIR, first.local_rank)
-        print(f"lightfleet: run failed: rank {first_rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
-              f"rank {codes}; logs in {records / files.LOGS_DIR})", file=sys.stderr)
+        say(f"lightfleet: run failed: rank {first_rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
+            f"rank {codes}; logs in {records / files.LOGS_DIR})", sys.stderr)
         # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
         code = 2 if 2 in codes.values() else 1
         record_failure(records, code, reason)
@@ -137,11 +137,10 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         raise
     ending = files.job_ending(run_dir)
     if ending.outcome == files.FINISHED:  # rank 0's results; a second node's copy of the command has none
-        print(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started)}; run directory {run_dir}",
-              flush=True)
+        say(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started)}; run directory {run_dir}")
         note = input_bound_note(ending.record, spec.cfg.data)
         if note:
-            print(note, flush=True)
+            say(note)
     return 0
 
 
@@ -150,7 +149,7 @@ def preempted(records: Path, run_dir: Path, signum: int, step: Optional[int] = N
     from runner.rank.preemption import resume_line
 
     line = resume_line(run_dir, signum, step)
-    print(line, file=sys.stderr, flush=True)
+    say(line, sys.stderr)
     record_failure(records, exit_status(signum), line.removeprefix("lightfleet: "), status=files.PREEMPTED)
     return exit_status(signum)
 
@@ -189,6 +188,15 @@ def input_bound_note(results: Dict[str, Any], data: Any) -> Optional[str]:
     help_ = "; ".join(knobs) if knobs else "loading the data ahead of the steps (a DataLoader's num_workers)"
     return (f"lightfleet: note: the input does not keep up: the steps waited for their batches {fraction:.0%} of "
             f"the time ({results['data_wait_s'] * 1000:.3g} ms a step). What helps: {help_}")
+
+
+def say(text: str, stream: Optional[TextIO] = None) -> None:
+    """Print the job's own line(s) (on stdout unless `stream`) and keep them in the job's log file (lightfleet.log)."""
+    print(text, file=stream or sys.stdout, flush=True)
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, text, (), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def log_to_file_only(message: str) -> None:
