@@ -1,14 +1,18 @@
 """auto's facts about a run, gathered on the driver before any rank starts (runner/command/autotune.py
 chooses from them): the model is built on the meta device, so its size, optimizer family, block
-list and the bytes one training step saves for backward are known without allocating it."""
+list and the bytes one training step saves for backward are known without allocating it. The
+forward runs on fake CPU tensors (shapes and dtypes only, dispatched as on a CPU, so autocast
+applies as it would in training)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
 
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from plugins.modules import repeated_block_list
 from runner.core.contribution import Facts
@@ -22,12 +26,15 @@ def gather_facts(build_model: Callable[[], pl.LightningModule], datamodule: pl.L
         model = build_model()
     blocks = repeated_block_list(model)
     per_node = max(1, world_size // num_nodes)
+    parameters = sum(p.numel() for p in model.parameters())
+    optimizer = optimizer_family(model.configure_optimizers())
+    saved = saved_activations(model, first_batch(datamodule), list(blocks[1].children()) if blocks else [])
     return Facts(
-        parameters=sum(p.numel() for p in model.parameters()),
-        optimizer=optimizer_family(model.configure_optimizers()),
+        parameters=parameters, optimizer=optimizer,
         blocks=len(list(blocks[1].children())) if blocks else 0,
         has_loss=callable(getattr(model, "loss", None)),
-        activation_bytes=saved_activation_bytes(model, first_batch(datamodule)),
+        activation_bytes=saved.total, block_activation_bytes=saved.in_blocks, block_input_bytes=saved.block_inputs,
+        largest_block_bytes=saved.largest_block, amp_activation_bytes=saved.autocast_total,
         batch_size=batch_size, world_size=world_size, num_nodes=num_nodes, device=device,
         device_memory_bytes=(int(device_memory_gb * 2**30) if device_memory_gb else memory_per_process(device, per_node)),
         bf16=device != "cuda" or torch.cuda.is_bf16_supported())
@@ -56,32 +63,89 @@ def first_batch(datamodule: pl.LightningDataModule) -> Any:
     return next(iter(datamodule.train_dataloader()))
 
 
-def saved_activation_bytes(model: nn.Module, batch: Any) -> int:
-    """Bytes autograd saves for backward in one training forward of `batch` (on the meta device:
-    shapes only), parameters left out: what activation memory is made of."""
-    parameters = {id(p) for p in model.parameters()}
-    saved = 0
+@dataclass
+class SavedActivations:
+    """Bytes of the distinct storages one training forward saves for backward (parameters left
+    out), and how recompute of the repeated blocks would change them."""
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        if id(tensor) not in parameters and id(getattr(tensor, "_base", None)) not in parameters:
-            saved += tensor.numel() * tensor.element_size()
-        return tensor
+    total: int = 0
+    in_blocks: int = 0  # saved inside the blocks and nowhere outside them
+    block_inputs: int = 0  # the blocks' inputs not saved outside them: what recompute keeps
+    largest_block: int = 0  # saved inside one block, its input left out: what recompute rebuilds at once
+    autocast_total: Optional[int] = None  # `total` of the same forward under 16-bit autocast
 
-    model.train()
+
+@dataclass
+class SavedStorages:
+    """Storage -> bytes of what one forward saves, split by where it was saved."""
+
+    outside: Dict[int, int] = field(default_factory=dict)
+    per_block: List[Dict[int, int]] = field(default_factory=list)
+    inputs: Dict[int, int] = field(default_factory=dict)
+
+    def counted(self) -> SavedActivations:
+        inside = {key: size for block in self.per_block for key, size in block.items() if key not in self.outside}
+        rebuilt = [sum(size for key, size in block.items() if key not in self.outside and key not in self.inputs)
+                   for block in self.per_block]
+        return SavedActivations(
+            total=sum(self.outside.values()) + sum(inside.values()), in_blocks=sum(inside.values()),
+            block_inputs=sum(size for key, size in self.inputs.items() if key not in self.outside),
+            largest_block=max(rebuilt, default=0))
+
+
+def saved_activations(model: nn.Module, batch: Any, blocks: List[nn.Module]) -> SavedActivations:
+    """What one training forward of `batch` saves for backward, in float32 and under bfloat16
+    autocast; all zero when the batch is not (inputs, targets) or the forward cannot run on fake
+    tensors (unknown). `model` (on the meta device) is made fake in place."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        inputs, targets = (to_meta(part) for part in batch[:2])
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            outputs = model(inputs)
-            if callable(getattr(model, "loss", None)):
-                model.loss(outputs, targets)
+        with mode:
+            model.to_empty(device="cpu")
+            inputs, targets = (mode.from_tensor(part) if isinstance(part, torch.Tensor) else part for part in batch[:2])
+        saved = saved_storages(model, inputs, targets, blocks, mode, autocast=False).counted()
+        saved.autocast_total = saved_storages(model, inputs, targets, blocks, mode, autocast=True).counted().total
     except (TypeError, ValueError, RuntimeError, NotImplementedError):
-        return 0  # not an (inputs, targets) batch, or a forward the meta device cannot run: unknown
+        return SavedActivations()
     return saved
 
 
-def to_meta(value: Any) -> Any:
-    return value.to("meta") if isinstance(value, torch.Tensor) else value
+def saved_storages(model: nn.Module, inputs: Any, targets: Any, blocks: List[nn.Module], mode: FakeTensorMode,
+                   autocast: bool) -> SavedStorages:
+    """The storages one training forward saves, each under the block running when it was first
+    saved (a storage saved twice, or a view of one saved, is counted once, as it is held once)."""
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    found = SavedStorages(per_block=[{} for _ in blocks])
+    running: List[int] = []
+    kept: List[torch.Tensor] = []  # alive until counted, so that no storage's address is reused
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key, storage = tensor.untyped_storage()._cdata, tensor.untyped_storage()
+        if key not in parameters and not any(key in where for where in (found.outside, *found.per_block)):
+            (found.per_block[running[-1]] if running else found.outside)[key] = storage.nbytes()
+            kept.append(tensor)
+        return tensor
+
+    def enter(index: int, args: tuple) -> None:
+        running.append(index)
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+                found.inputs[arg.untyped_storage()._cdata] = arg.untyped_storage().nbytes()
+                kept.append(arg)
+
+    hooks = [hook for index, block in enumerate(blocks) for hook in (
+        block.register_forward_pre_hook(lambda module, args, index=index: enter(index, args)),
+        block.register_forward_hook(lambda module, args, output, index=index: running.remove(index)))]
+    model.train()
+    try:
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outputs = model(inputs)
+            if callable(getattr(model, "loss", None)):
+                model.loss(outputs, targets)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
 
 
 def memory_per_process(device: str, processes_per_node: int) -> int:

@@ -3,10 +3,12 @@
 its own processes in auto/trials/<k>/ — write auto/ and hand back the winner's spec and plan.
 Decided once, before any rank of the run starts, so every rank trains the same choice.
 
-    auto/candidates.csv      every candidate: status, reason, estimates, what its trial measured
+    auto/candidates.csv      every candidate: status, reason, micro-batch, estimates, what its trial measured
     auto/choice.yaml         the mode, the facts, the winner and why each strategy was taken or left out
-    auto/experiment/best.yaml  the winner as an experiment: lightfleet --config-dir RUN_DIR/auto experiment=best
+    auto/experiment/best.yaml  the winner, one self-contained file: lightfleet --config-dir RUN_DIR/auto experiment=best
     auto/trials/, sweep.yaml the trials' run directories (`lightfleet report RUN_DIR/auto` compares them)
+
+With dry_run=true, `preview` says what auto knows and would do, and nothing is written or trained.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from runner.records.files import (AUTO_DIR, CANDIDATES_CSV, CHOICE_YAML, FAILED,
                                   SWEEP_YAML, TRIAL_LOG, TRIALS_DIR, failure_outcome, job_ending)
 from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.strategies import schemas
-from runner.strategies.auto import AutoConfig, Candidate, candidates, considered, rules, trial_order
+from runner.strategies.auto import (AutoConfig, Candidate, Choice, accounts, candidates, contenders, memory_text,
+                                    micro_batch, rules, trial_order, verdict)
 from runner.core.world import World
 
 # What a trial leaves out: it only measures speed and memory.
@@ -42,22 +45,18 @@ MEASURED = ("samples_per_s", "step_time_median_s", "peak_memory_mb")  # of a tri
 
 
 def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tuple[RunSpec, Plan]]:
-    """The winner's spec and plan (None with search_only: chosen, nothing to train)."""
+    """The winner's spec and plan (None with search_only: chosen, nothing to train). Refused in one
+    line (ConfigError) when no candidate fits, before any trial or rank starts."""
     auto: AutoConfig = spec.strategies["auto"]
-    facts = facts_of(spec, auto)
-    rows = load_table().allowed
-    listed = candidates(facts, auto, rows)
-    for c in listed:
-        refuse_unplannable(spec, c)
+    facts, listed = facts_and_candidates(spec, auto)
     auto_dir = records / AUTO_DIR
     if auto.mode == "rules":
-        winner, why = rules(facts, auto, rows)
+        choice = rules(facts, auto, listed, load_table().allowed)
     else:
-        winner, why = search(spec, listed, auto, auto_dir, command, facts, rows)
-    chosen = with_strategies(spec, winner.strategies)
-    write_records(auto_dir, chosen, auto, facts, listed, winner, why)
-    print("\n".join([f"auto ({auto.mode}): chose {winner.label}{'; ' + winner.reason if winner.reason else ''}",
-                     *(f"auto: {name}: {reason}" for name, reason in sorted(why.items())),
+        choice = search(spec, listed, auto, auto_dir, command, facts)
+    chosen = with_strategies(spec, choice.winner.strategies)
+    write_records(auto_dir, chosen, auto, facts, listed, choice)
+    print("\n".join([*verdict(auto.mode, choice, listed, facts), *reasons(choice),
                      f"auto: candidates in {auto_dir / CANDIDATES_CSV}; the choice again: "
                      f"lightfleet --config-dir {auto_dir} experiment=best"]), flush=True)
     if auto.search_only:
@@ -65,18 +64,47 @@ def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tup
     return chosen, plan_for(chosen)
 
 
-def facts_of(spec: RunSpec, auto: AutoConfig) -> Facts:
+def preview(spec: RunSpec) -> str:
+    """For dry_run=true: the facts, the candidates and the rules' choice, or the trials a search
+    would run; nothing is trained or written. Refused like a run when no candidate fits."""
+    auto: AutoConfig = spec.strategies["auto"]
+    facts, listed = facts_and_candidates(spec, auto)
+    known = ", ".join(f"{name}={memory_text(value) if name.endswith('_bytes') and value else value}"
+                      for name, value in asdict(facts).items())
+    lines = [f"auto: facts: {known}", "auto: candidates (estimated memory per process, speed factor, micro-batch):",
+             *(f"  {c.label}: {memory_text(c.memory.total)}, {c.speed:.2f}, {c.micro_batch}: {c.status}"
+               + (f": {c.reason}" if c.reason else "") for c in listed)]
+    if auto.mode == "rules":
+        choice = rules(facts, auto, listed, load_table().allowed)
+        return "\n".join([*lines, *verdict(auto.mode, choice, listed, facts), *reasons(choice)])
+    fitting = len(contenders(listed, facts, auto))
+    most = fitting if auto.max_trials is None else min(fitting, auto.max_trials)
+    return "\n".join([*lines, f"auto (search): would run trials of up to {most} of the {fitting} candidates that "
+                              f"fit, {auto.trial_steps} steps each, none starting after {auto.budget_s:g} s; "
+                              f"dry_run=true runs none"])
+
+
+def reasons(choice: Choice) -> List[str]:
+    return [f"auto: {name}: {reason}" for name, reason in sorted(choice.why.items())]
+
+
+def facts_and_candidates(spec: RunSpec, auto: AutoConfig) -> Tuple[Facts, List[Candidate]]:
+    """The facts of this run and its candidates, those the plan refuses marked so."""
     world = World.of(spec.trainer)
-    return gather_facts(lambda: instantiate_checked("model", spec.cfg.model), instantiate_checked("data", spec.cfg.data),
-                        device=device_type(spec.trainer.accelerator),
-                        world_size=world.known_size("auto"), num_nodes=world.num_nodes,
-                        batch_size=spec.batch_size, device_memory_gb=auto.device_memory_gb)
+    facts = gather_facts(lambda: instantiate_checked("model", spec.cfg.model), instantiate_checked("data", spec.cfg.data),
+                         device=device_type(spec.trainer.accelerator),
+                         world_size=world.known_size("auto"), num_nodes=world.num_nodes,
+                         batch_size=spec.batch_size, device_memory_gb=auto.device_memory_gb)
+    listed = candidates(facts, auto, load_table().allowed)
+    for c in listed:
+        refuse_unplannable(spec, c)
+    return facts, listed
 
 
 def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: Path, command: Sequence[str],
-           facts: Facts, rows: Sequence[Any]) -> Tuple[Candidate, Dict[str, str]]:
-    """Trial the candidates in `trial_order` until the budget is spent; the highest measured
-    samples/s wins (rules decide when no trial finished)."""
+           facts: Facts) -> Choice:
+    """Trial the candidates that fit in `trial_order` until the budget is spent; the highest
+    measured samples/s wins (rules decide when no trial finished)."""
     started, tried = time.monotonic(), 0
     pending = [(number, c) for number, c in enumerate(listed) if c.status == "candidate"]
     total = len(pending)
@@ -93,18 +121,14 @@ def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: P
         print(f"auto: trial {tried}/{total} {c.label}: {figures}", flush=True)
     finished = sorted((c for c in listed if c.status == "ok"), key=lambda c: -c.measured["samples_per_s"])
     if not finished:
-        winner, why = rules(facts, auto, rows)
-        winner.reason = "no trial finished: the rules' choice"
-        return winner, why
-    winner = finished[0]
-    runner_up = f" (next: {finished[1].label}, {finished[1].measured['samples_per_s']:,.1f})" if len(finished) > 1 else ""
-    _, why = considered(facts, auto)
-    for name in schemas():
-        if name in winner.strategies:
-            why[name] = f"taken: the fastest trial, {winner.measured['samples_per_s']:,.1f} samples/s{runner_up}"
-        elif name != "auto":
-            why.setdefault(name, "left out: the fastest trial does not use it")
-    return winner, why
+        choice = rules(facts, auto, listed, load_table().allowed)
+        choice.winner.reason = "no trial finished: the rules' choice"
+        return choice
+    return Choice(finished, faster, accounts(finished, listed, facts, auto, faster, preferred={}, left_out={}))
+
+
+def faster(a: Candidate, b: Candidate) -> str:
+    return f"by measured samples/s ({a.measured['samples_per_s']:,.1f} vs {b.measured['samples_per_s']:,.1f})"
 
 
 def refuse_unplannable(spec: RunSpec, c: Candidate) -> None:
@@ -139,13 +163,15 @@ def run_trial(spec: RunSpec, c: Candidate, auto: AutoConfig, trial_dir: Path, co
 
 def with_strategies(spec: RunSpec, strategies: Dict[str, Dict[str, Any]], trial_dir: Optional[Path] = None,
                     steps: int = 0) -> RunSpec:
-    """`spec` with these strategies instead of auto (gradient_merge's k micro-batches of batch / k
-    keep the global batch); with `trial_dir`, as a short trial there that only measures."""
+    """`spec` with these strategies instead of auto, at their micro-batch (gradient_merge's k
+    micro-batches of batch / k keep the global batch); with `trial_dir`, as a short trial there
+    that only measures."""
     plain = OmegaConf.to_container(spec.cfg, resolve=False)
     plain["strategy"] = {name: (asdict(schema(**strategies[name])) if name in strategies else None)
                          for name, schema in schemas().items()}
-    if "gradient_merge" in strategies:
-        plain["data"]["batch_size"] //= strategies["gradient_merge"]["k_steps"]
+    split = micro_batch(spec.batch_size, strategies)
+    if split != spec.batch_size:
+        plain["data"]["batch_size"] = split
     if trial_dir is not None:
         plain["trainer"].update(TRIAL_TRAINER, max_steps=steps)
         plain.update(logger={}, callbacks={}, ckpt_path=None, test=False, evaluate=False)
@@ -155,40 +181,46 @@ def with_strategies(spec: RunSpec, strategies: Dict[str, Dict[str, Any]], trial_
 
 
 def write_records(auto_dir: Path, chosen: RunSpec, auto: AutoConfig, facts: Facts, listed: List[Candidate],
-                  winner: Candidate, why: Dict[str, str]) -> None:
+                  choice: Choice) -> None:
     auto_dir.mkdir(parents=True, exist_ok=True)
     with (auto_dir / CANDIDATES_CSV).open("w", newline="") as out:
         table = csv.writer(out)
-        table.writerow(["candidate", "strategies", "status", "reason", "estimated_memory_gib", "estimated_speed",
-                        *MEASURED])
+        table.writerow(["candidate", "strategies", "status", "reason", "micro_batch", "estimated_memory_mib",
+                        "estimated_speed", *MEASURED])
         for number, c in enumerate(listed):
-            table.writerow([number, c.label, c.status, c.reason, round(c.memory.total / 2**30, 4), round(c.speed, 3),
-                            *(c.measured.get(key, "") for key in MEASURED)])
+            table.writerow([number, c.label, c.status, c.reason, c.micro_batch, round(c.memory.total / 2**20, 2),
+                            round(c.speed, 3), *(c.measured.get(key, "") for key in MEASURED)])
+    winner = choice.winner
     write_yaml(auto_dir / CHOICE_YAML, {"mode": auto.mode, "chosen": winner.label, "strategies": winner.strategies,
-                                        "reason": winner.reason, "why": why, "facts": asdict(facts),
-                                        "knobs": asdict(auto)})
+                                        "micro_batch": winner.micro_batch, "reason": winner.reason,
+                                        "verdict": verdict(auto.mode, choice, listed, facts), "why": choice.why,
+                                        "facts": asdict(facts), "knobs": asdict(auto)})
     # A candidate's "ok" is a trial that finished (runner/strategies/auto.py names its statuses).
     tried = {f"{TRIALS_DIR}/{n}": c for n, c in enumerate(listed) if c.status in ("ok", FAILED, OUT_OF_MEMORY, REFUSED)}
-    write_yaml(auto_dir / SWEEP_YAML, {"jobs": {name: {"overrides": [f"strategy={c.label}"], "reason": c.reason,
+    write_yaml(auto_dir / SWEEP_YAML, {"jobs": {name: {"overrides": trial_overrides(c, facts), "reason": c.reason,
                                                        "status": FINISHED if c.status == "ok" else c.status}
                                                 for name, c in tried.items()}})
     write_experiment(auto_dir, chosen, winner)
 
 
+def trial_overrides(c: Candidate, facts: Facts) -> List[str]:
+    split = [f"data.batch_size={c.micro_batch}"] if c.micro_batch != facts.batch_size else []
+    return [f"strategy={c.label}", *split]
+
+
 def write_experiment(auto_dir: Path, chosen: RunSpec, winner: Candidate) -> None:
-    """experiment/best.yaml and the model, data and trainer options it selects, resolved, so the
-    choice reruns from any directory: lightfleet --config-dir AUTO_DIR experiment=best."""
+    """experiment/best.yaml: the winner as one self-contained experiment, its model, data, trainer,
+    collective and strategy knobs inline and resolved, so that the file alone reruns the choice
+    from any config directory's experiment/: lightfleet --config-dir DIR experiment=best."""
     config = OmegaConf.to_container(chosen.cfg, resolve=True)
-    for group in ("model", "data", "trainer"):
-        (auto_dir / group).mkdir(exist_ok=True)
-        write_yaml(auto_dir / group / "best.yaml", config[group])
     selected = {name: knobs for name, knobs in config["strategy"].items() if knobs is not None}
-    body = yaml.safe_dump({"name": f"{config['name']}_auto", "seed": config["seed"], "measure": config["measure"],
-                           "strategy": selected}, sort_keys=False)
-    defaults = yaml.safe_dump({"defaults": [{"override /model": "best"}, {"override /data": "best"},
-                                            {"override /trainer": "best"}, {"override /strategy": list(selected)}]},
-                              sort_keys=False)
+    # No model or data option under the inline ones: their keys would merge into the default's (mlp).
+    defaults = [{"override /model": None}, {"override /data": None}, {"override /strategy": list(selected)}]
+    body = {"defaults": defaults, "name": f"{config['name']}_auto", "seed": config["seed"],
+            **{group: config[group] for group in ("model", "data", "trainer", "collective", "measure")},
+            "strategy": selected}
     (auto_dir / "experiment").mkdir(exist_ok=True)
     (auto_dir / "experiment" / "best.yaml").write_text(
-        f"# @package _global_\n# strategy=[auto] chose {winner.label} ({auto_dir / CHOICE_YAML} says why).\n"
-        f"# Run: lightfleet --config-dir {auto_dir} experiment=best\n{defaults}{body}")
+        f"# @package _global_\n# strategy=[auto] chose {winner.label} (choice.yaml beside experiment/ says why).\n"
+        f"# Run: lightfleet --config-dir {auto_dir} experiment=best (or copy this file alone into another config "
+        f"directory's experiment/)\n{yaml.safe_dump(body, sort_keys=False)}")

@@ -172,12 +172,10 @@ Reserved = Optional[Tuple[Path, List[str]]]  # a directory, and the overrides th
 
 def check_run(overrides: List[str], config_dir: Optional[str], config_name: str) -> Reserved:
     """The preflight of a run; print the plan of a dry run (None), or reserve its directory."""
-    from runner.core.plan import format_plan
-
     cfg = preflight.compose(overrides, config_dir, config_name)
     flight = checked(cfg, overrides)
     if flight.spec.cfg.dry_run:
-        print(format_plan(flight.plan))
+        print(dry_run_text(flight))
         return None
     run_dir, subdir = preflight.run_directory(cfg, flight.plan)
     return run_dir, [hydra_override("hydra.run.dir", run_dir / subdir)]
@@ -191,7 +189,6 @@ def check_sweep(overrides: List[str], config_dir: Optional[str], config_name: st
     the config without the swept keys is checked, and each job checks itself.
     Reserves the sweep directory (None: a dry run, whose plans are printed)."""
     from runner.config.compose import expand_sweep
-    from runner.core.plan import format_plan
 
     cfg = preflight.compose(overrides, config_dir, config_name, multirun=True)
     if cfg.hydra.sweeper._target_ != "hydra._internal.core_plugins.basic_sweeper.BasicSweeper":
@@ -209,10 +206,22 @@ def check_sweep(overrides: List[str], config_dir: Optional[str], config_name: st
             raise Refusal("no job of the sweep can run")
     if flights[0][2].spec.cfg.dry_run:
         for number, job, flight in flights:
-            print(f"--- job {number}: {' '.join(job)}\n{format_plan(flight.plan)}")
+            print(f"--- job {number}: {' '.join(job)}\n{dry_run_text(flight)}")
         return None
     sweep_dir = preflight.sweep_directory(cfg)
     return sweep_dir, [hydra_override("hydra.sweep.dir", sweep_dir)]
+
+
+def dry_run_text(flight: preflight.Flight) -> str:
+    """What dry_run=true prints: the plan, and with strategy=[auto] the facts, the candidates and
+    the rules' choice (or the trials a search would run): runner/command/autotune.py."""
+    from runner.core.plan import format_plan
+
+    if "auto" not in flight.plan.strategies:
+        return format_plan(flight.plan)
+    from runner.command.autotune import preview
+
+    return f"{format_plan(flight.plan)}\n{preview(flight.spec)}"
 
 
 def checked(cfg: DictConfig, overrides: Optional[List[str]] = None) -> preflight.Flight:

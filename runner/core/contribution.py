@@ -105,13 +105,20 @@ class Facts:
     optimizer: str  # the family of what configure_optimizers returns: a key of OPTIMIZER_STATE_BYTES
     blocks: int  # modules in the model's first repeated block list (0: none)
     has_loss: bool  # the model has loss(outputs, targets), which the pipeline's last stage needs
-    activation_bytes: int  # module outputs of one float32 training step of one process
+    activation_bytes: int  # saved for backward by one float32 training forward of one process (distinct storages)
     batch_size: Optional[int]
     world_size: int
     num_nodes: int = 1
     device: str = "cpu"  # cpu | cuda
     device_memory_bytes: Optional[int] = None  # per process; None: unknown, nothing pruned
     bf16: bool = True  # the device computes bfloat16
+    # How activation_bytes splits over the repeated blocks (recompute), and what 16-bit autocast
+    # makes of them (amp); None where not measured (facts written by hand): the strategies then
+    # assume activations spread evenly over the blocks, and halved by 16 bits.
+    block_activation_bytes: Optional[int] = None  # saved inside the blocks (not also outside them)
+    block_input_bytes: int = 0  # the blocks' inputs not saved outside them: what recompute keeps
+    largest_block_bytes: int = 0  # saved inside the largest block, its input left out: rebuilt at once
+    amp_activation_bytes: Optional[int] = None  # activation_bytes of the same forward under 16-bit autocast
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,8 @@ class Memory:
     gradients: float
     optimizer_states: float
     activations: float
+    compute_bytes: float = 4.0  # of a parameter as forward and backward use it (amp: 2); sharding gathers these
+
 
     @classmethod
     def of(cls, facts: Facts) -> "Memory":

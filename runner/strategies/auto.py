@@ -1,23 +1,29 @@
 """auto: choose the strategies for this model on this machine (Fleet `strategy.auto`); carried out
 by plugins/auto.py, which gathers the facts and runs the trials. This module is the pure part:
-the knobs, the candidates with their memory estimates, and the rules (docs/auto.md)."""
+the knobs, the candidates with their memory estimates, the rules, and the words that say why (docs/auto.md)."""
 from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from runner.core.contribution import Contribution, Facts, Memory, RunShape, Strategy
-from runner.core.errors import require
+from runner.core.errors import ConfigError, require
 from runner.strategies import schemas
 
 KEY = "strategy.auto."
 MODES = ("search", "rules")
-# The order rules mode adds strategies in when memory demands it, and numerics-changing ones when allowed.
-FOR_MEMORY = (("recompute", {}), ("sharding", {"stage": 1}), ("sharding", {"stage": 2}), ("sharding", {"stage": 3}),
-              ("gradient_merge", {"k_steps": 2}), ("gradient_merge", {"k_steps": 4}), ("pipeline", {}))
+# The numerics-changing strategies Fleet's rules turn on when they apply, in Fleet's order.
 NUMERICS = ("lars", "lamb", "dgc", "localsgd")
+# Candidates that cannot win: over the memory by the estimate, or refused by the plan.
+EXCLUDED = ("pruned", "refused")
+TRIAL_FAILED = ("failed", "out_of_memory")  # rank last in the rules' fallback of a search
+# How the other candidates lost, by status (runner/command/autotune.py gives the trial statuses).
+LOST = {"candidate": "rank lower", "ok": "measured slower", "pruned": "exceed the memory",
+        "refused": "refused by the plan", "failed": "failed their trial",
+        "out_of_memory": "ran out of memory in their trial", "not tried": "not tried (budget spent)"}
 
 
 @dataclass
@@ -25,13 +31,15 @@ class AutoConfig(Strategy):
     """Choose the strategies (Fleet: `strategy.auto`): from facts about the model, the data and the
     machine, every allowed combination that applies is a candidate, with its memory per process
     estimated; those that do not fit are pruned. `rules` picks one by rule; `search` measures
-    short trials of the candidates and takes the fastest. The run then trains with the winner."""
+    short trials of the candidates and takes the fastest. The run then trains with the winner;
+    when no candidate fits, the run is refused before it starts."""
 
     name: ClassVar[str] = "auto"
 
     mode: str = "search"
-    """search: short measured trials of the candidates, fastest estimate first; the highest
-    samples/s wins. rules: no trials, Fleet-like rules (well under a second)."""
+    """search: short measured trials of the candidates that fit, fastest estimate first; the
+    highest samples/s wins. rules: no trials: of the candidates that fit, the first by Fleet's
+    preferences (amp on GPUs only), then the speed model, then the larger micro-batch."""
     budget_s: float = 600.0
     """search: no trial starts after this many seconds of trials."""
     trial_steps: int = 20
@@ -67,6 +75,7 @@ class Candidate:
     strategies: Dict[str, Dict[str, Any]]  # name -> knobs over the defaults, in the table's names
     memory: Memory
     speed: float  # estimated throughput relative to no strategy
+    micro_batch: Optional[int] = None  # the data.batch_size it trains with (None: the data has none)
     status: str = "candidate"  # candidate | pruned | refused | ok | failed | out_of_memory | not tried
     reason: str = ""
     measured: Dict[str, Any] = field(default_factory=dict)
@@ -78,6 +87,22 @@ class Candidate:
 
 def member_label(name: str, knobs: Dict[str, Any]) -> str:
     return name + "".join(f"({k}={v})" for k, v in knobs.items())
+
+
+def memory_text(size: float) -> str:
+    """Bytes in the largest binary unit they reach: 1.14 GiB, 13.7 MiB, 96.0 KiB (never 0.00 GiB)."""
+    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if size >= scale:
+            return f"{size / scale:.{digits}f} {unit}"
+    return f"{size:.0f} bytes"
+
+
+def micro_batch(batch_size: Optional[int], strategies: Dict[str, Dict[str, Any]]) -> Optional[int]:
+    """The data.batch_size a run of these strategies trains with: gradient merging's k micro-batches
+    of batch / k keep the global batch (and the numerics) the same."""
+    if batch_size is None:
+        return None
+    return batch_size // strategies.get("gradient_merge", {}).get("k_steps", 1)
 
 
 def allowed(names: Sequence[str], rows: Sequence[FrozenSet[str]]) -> bool:
@@ -101,6 +126,10 @@ def fits(memory: Memory, facts: Facts) -> bool:
     return facts.device_memory_bytes is None or memory.total <= facts.device_memory_bytes
 
 
+def over_memory(memory: Memory, facts: Facts) -> str:
+    return f"estimated {memory_text(memory.total)} per process > {memory_text(facts.device_memory_bytes)}"
+
+
 def considered(facts: Facts, auto: AutoConfig) -> Tuple[List[str], Dict[str, str]]:
     """The strategies auto may use for these facts, and why each other one is left out."""
     usable, left_out = [], {}
@@ -120,7 +149,9 @@ def considered(facts: Facts, auto: AutoConfig) -> Tuple[List[str], Dict[str, str
 def candidates(facts: Facts, auto: AutoConfig, rows: Sequence[FrozenSet[str]]) -> List[Candidate]:
     """Every allowed combination of the usable strategies, crossed with their knob variants,
     fastest estimate first; those over the memory are `pruned`. Memory-only strategies
-    (gradient_merge) appear only with combinations that do not fit without them."""
+    (gradient_merge) appear only with combinations that do not fit without them, and then only
+    down to the largest micro-batch that fits (as DeepSpeed's autotuner, which takes the largest
+    micro-batch that fits)."""
     usable, _ = considered(facts, auto)
     found: List[Candidate] = []
     for size in range(len(usable) + 1):
@@ -129,24 +160,31 @@ def candidates(facts: Facts, auto: AutoConfig, rows: Sequence[FrozenSet[str]]) -
                 continue
             for knobs in itertools.product(*(schemas()[name]().variants(facts) for name in names)):
                 found.append(candidate(facts, dict(zip(names, knobs))))
-    fitting = {c.label for c in found if fits(c.memory, facts)}
+    largest_fitting: Dict[str, int] = {}  # by the strategies that are not memory-only
+    for c in found:
+        if fits(c.memory, facts):
+            base = without_memory_only(c)
+            largest_fitting[base] = max(largest_fitting.get(base, 0), c.micro_batch or 0)
     kept = [c for c in found if not any(schemas()[name].for_memory_only for name in c.strategies)
-            or without_memory_only(c) not in fitting]
+            or (c.micro_batch or 0) >= largest_fitting.get(without_memory_only(c), 0)]
     for c in kept:
         if not fits(c.memory, facts):
-            c.status, c.reason = "pruned", (f"estimated {c.memory.total / 2**30:.2f} GiB per process > "
-                                            f"{facts.device_memory_bytes / 2**30:.2f} GiB")
+            c.status, c.reason = "pruned", over_memory(c.memory, facts)
     return sorted(kept, key=lambda c: (c.status == "pruned", -c.speed))
 
 
 def candidate(facts: Facts, strategies: Dict[str, Dict[str, Any]]) -> Candidate:
     memory, speed = estimate(facts, built(strategies))
-    return Candidate(strategies, memory, speed)
+    return Candidate(strategies, memory, speed, micro_batch(facts.batch_size, strategies))
+
+
+def without(c: Candidate, names: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    return {name: knobs for name, knobs in c.strategies.items() if name not in names}
 
 
 def without_memory_only(c: Candidate) -> str:
-    rest = {name: knobs for name, knobs in c.strategies.items() if not schemas()[name].for_memory_only}
-    return Candidate(rest, c.memory, c.speed).label
+    memory_only = [name for name in c.strategies if schemas()[name].for_memory_only]
+    return Candidate(without(c, memory_only), c.memory, c.speed).label
 
 
 def trial_order(c: Candidate, finished: Sequence[Candidate], facts: Facts) -> Tuple[bool, float]:
@@ -164,42 +202,161 @@ def trial_order(c: Candidate, finished: Sequence[Candidate], facts: Facts) -> Tu
     return True, -expected
 
 
-def rules(facts: Facts, auto: AutoConfig, rows: Sequence[FrozenSet[str]]) -> Tuple[Candidate, Dict[str, str]]:
-    """Fleet-like rules: amp on GPUs; the numerics-changing strategies that apply, if allowed;
-    then, while the estimate does not fit, recompute, sharding stages 1-3, gradient merging and
-    the pipeline, each kept only while the table allows the set. Returns the choice and, for
-    every strategy, why it was taken or left out."""
-    usable, why = considered(facts, auto)
-    chosen: Dict[str, Dict[str, Any]] = {}
+def contenders(listed: Sequence[Candidate], facts: Facts, auto: AutoConfig) -> List[Candidate]:
+    """The candidates that may win: those neither pruned nor refused. None: the run is refused in
+    one line naming the smallest estimate and what would make it fit."""
+    found = [c for c in listed if c.status not in EXCLUDED]
+    if not found:
+        raise ConfigError(KEY + "device_memory_gb", auto.device_memory_gb, nothing_fits(listed, facts))
+    return found
 
-    def take(name: str, knobs: Dict[str, Any], reason: str) -> None:
-        if name not in usable:
-            return
-        if not allowed([*chosen, name], rows):
-            why[name] = f"left out: the table does not allow it with {'+'.join(chosen)}"
-            return
-        chosen[name] = knobs
-        why[name] = f"taken: {reason}"
 
-    if facts.device == "cuda":
-        take("amp", schemas()["amp"]().variants(facts)[0], "16-bit matrix products run several times faster on GPUs")
+def nothing_fits(listed: Sequence[Candidate], facts: Facts) -> str:
+    """The smallest estimate over the memory (a refused candidate's would not run) and what would make it fit."""
+    smallest = min([c for c in listed if c.status == "pruned"] or listed, key=lambda c: c.memory.total)
+    limit, memory = facts.device_memory_bytes or 0, smallest.memory
+    remedies = [f"more processes (now {facts.world_size})"]
+    fixed = memory.total - memory.activations  # activations grow with the batch, the rest does not
+    if facts.batch_size and memory.activations and fixed < limit:
+        most = math.floor(facts.batch_size * (limit - fixed) / memory.activations)
+        if most >= 1:
+            remedies.append(f"data.batch_size <= {most} (now {facts.batch_size})")
+    remedies.append(f"{KEY}device_memory_gb >= {math.ceil(memory.total / 2**30 * 1000) / 1000}")
+    return (f"no candidate fits: the smallest estimate, {smallest.label}, is {memory_text(memory.total)} per process "
+            f"> {memory_text(limit)}; to fit: {', '.join(remedies[:-1])} or {remedies[-1]}")
+
+
+# How the chosen candidate compares with another: "by the speed model (0.95 vs 0.80)".
+Comparison = Callable[[Candidate, Candidate], str]
+
+
+@dataclass
+class Choice:
+    """The candidates that may win, best first (the first is chosen), how two of them compare, and
+    for every strategy why it was taken or left out."""
+
+    ranked: List[Candidate]
+    compare: Comparison
+    why: Dict[str, str]
+
+    @property
+    def winner(self) -> Candidate:
+        return self.ranked[0]
+
+
+def fleet_preferences(facts: Facts, auto: AutoConfig,
+                      rows: Sequence[FrozenSet[str]]) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """What Fleet's rules turn on whatever the memory, with why: amp on GPUs; if allowed, the
+    numerics-changing strategies that apply, in Fleet's order, each while the table allows the
+    set. And why they leave each other strategy of those kinds out."""
+    usable, _ = considered(facts, auto)
+    preferred: Dict[str, str] = {}
+    left_out: Dict[str, str] = {}
+    if "amp" in usable and facts.device == "cuda":
+        preferred["amp"] = "16-bit matrix products run several times faster on GPUs"
     elif "amp" in usable:
-        why["amp"] = "left out: on CPUs 16-bit autocast is slower than float32"
-    for name in NUMERICS:
-        take(name, {}, "applies to this optimizer and world (strategy.auto.allow_numerics_change=true)")
-    for name, knobs in FOR_MEMORY:
-        current = candidate(facts, chosen)
-        if fits(current.memory, facts):
-            break
-        needed = f"the estimate {current.memory.total / 2**30:.2f} GiB exceeds {facts.device_memory_bytes / 2**30:.2f} GiB"
-        if name in chosen:  # a later stage or larger k replaces the earlier setting
-            chosen[name] = knobs
-            why[name] = f"taken with {knobs}: {needed}"
+        left_out["amp"] = "left out: on CPUs 16-bit autocast is slower than float32"
+    others = [name for name, schema in schemas().items() if schema.changes_numerics and name not in NUMERICS]
+    for name in [*NUMERICS, *others]:  # Fleet's order
+        if name not in usable:
+            continue
+        if name in others:
+            left_out[name] = f"left out: of those changing the numerics, Fleet's rules turn on {', '.join(NUMERICS)}"
+        elif allowed([*preferred, name], rows):
+            preferred[name] = "applies to this optimizer and world (strategy.auto.allow_numerics_change=true)"
         else:
-            take(name, knobs, needed)
+            left_out[name] = f"left out: the table does not allow it with {'+'.join(preferred)}"
+    return preferred, left_out
+
+
+def rules(facts: Facts, auto: AutoConfig, listed: Sequence[Candidate], rows: Sequence[FrozenSet[str]]) -> Choice:
+    """Fleet-like rules over the `listed` candidates, without trials: of those that fit and the
+    plan allows (one whose trial failed last), the first by Fleet's preferences (amp on GPUs
+    only; the numerics-changing strategies Fleet turns on, if allowed), then by the speed model,
+    then by the larger micro-batch, then by fewer strategies."""
+    preferred, left_out = fleet_preferences(facts, auto, rows)
+    bound = {"amp", *(name for name, schema in schemas().items() if schema.changes_numerics)}
+
+    def departures(c: Candidate) -> int:  # from Fleet's preferences
+        return len((bound & set(c.strategies)) ^ set(preferred))
+
+    def compare(a: Candidate, b: Candidate) -> str:
+        if departures(a) != departures(b):
+            return f"by Fleet's preferences ({'+'.join(preferred) or 'no amp on CPUs, no numerics change'})"
+        if a.speed != b.speed:
+            return f"by the speed model ({a.speed:.2f} vs {b.speed:.2f})"
+        if a.micro_batch != b.micro_batch:
+            return f"by the larger micro-batch ({a.micro_batch} vs {b.micro_batch}) at the same speed factor"
+        return f"by fewer strategies at the same speed factor ({a.speed:.2f})"
+
+    ranked = sorted(contenders(listed, facts, auto), key=lambda c: (
+        c.status in TRIAL_FAILED, departures(c), -c.speed, -(c.micro_batch or 0), len(c.strategies)))
+    return Choice(ranked, compare, accounts(ranked, listed, facts, auto, compare, preferred, left_out))
+
+
+def accounts(ranked: Sequence[Candidate], listed: Sequence[Candidate], facts: Facts, auto: AutoConfig,
+             compare: Comparison, preferred: Dict[str, str], left_out: Dict[str, str]) -> Dict[str, str]:
+    """For every strategy, why it was taken or left out, `ranked[0]` being chosen. `preferred`,
+    `left_out`: the reasons of preference, where the memory does not decide."""
+    winner = ranked[0]
+    usable, why = considered(facts, auto)
     for name in usable:
-        why.setdefault(name, "left out: the estimate fits without it")
-    choice = candidate(facts, chosen)
-    if not fits(choice.memory, facts):
-        choice.reason = "does not fit by the estimate even so"
-    return choice, why
+        with_it = [c for c in listed if name in c.strategies]
+        best_with = next((c for c in ranked if name in c.strategies), None)
+        if name in winner.strategies:
+            rest = candidate(facts, without(winner, [name]))
+            if not fits(rest.memory, facts):
+                why[name] = f"taken: without it, {over_memory(rest.memory, facts)}"
+            elif name in preferred:
+                why[name] = f"taken: {preferred[name]}"
+            else:
+                why[name] = f"taken: {winner.label} ranks first" + (f" {compare(winner, ranked[1])}" if ranked[1:] else "")
+        elif name in left_out:
+            why[name] = left_out[name]
+        elif best_with is not None:
+            why[name] = f"left out: {winner.label} fits and ranks before {best_with.label} {compare(winner, best_with)}"
+        elif not with_it:  # memory-only: listed only beside what does not fit without it
+            why[name] = "left out: the estimate fits without it"
+        else:
+            why[name] = f"left out: {unavailable(with_it)}"
+    return why
+
+
+def unavailable(with_it: Sequence[Candidate]) -> str:
+    """Why none of these candidates (those with one strategy) could win: a failed or untried
+    trial, else the smallest estimate over the memory and the plan's refusal."""
+    tried = next((c for c in with_it if c.status not in EXCLUDED), None)
+    if tried is not None:
+        return f"{tried.label}: {tried.status}" + (f": {tried.reason}" if tried.reason else "")
+    pruned = [c for c in with_it if c.status == "pruned"]
+    refused = [c for c in with_it if c.status == "refused"]
+    parts = []
+    if pruned:
+        smallest = min(pruned, key=lambda c: c.memory.total)
+        parts.append(f"the smallest estimate with it, {smallest.label}, is over the memory ({smallest.reason})")
+    if refused:
+        parts.append(f"{len(refused)} with it refused by the plan ({refused[0].label}: {refused[0].reason})")
+    return "; ".join(parts)
+
+
+def standing(c: Candidate, choice: Choice, facts: Facts) -> str:
+    """`c`'s estimate and place: its measured samples/s after a trial, else its rank by the rules."""
+    limit = f" (of {memory_text(facts.device_memory_bytes)})" if facts.device_memory_bytes else ""
+    batch = f", micro-batch {c.micro_batch}" if c.micro_batch is not None else ""
+    place = (f"measured {c.measured['samples_per_s']:,.1f} samples/s" if c.measured else
+             f"rank {choice.ranked.index(c) + 1} of {len(choice.ranked)} that fit, speed factor {c.speed:.2f}")
+    return f"estimated {memory_text(c.memory.total)} per process{limit}{batch}, {place}"
+
+
+def verdict(mode: str, choice: Choice, listed: Sequence[Candidate], facts: Facts) -> List[str]:
+    """One line for the winner (estimate, speed, how the others lost) and one for the runner-up."""
+    winner = choice.winner
+    others = Counter(c.status for c in listed if c is not winner)
+    lost = ", ".join(f"{count} {LOST[status]}" for status, count in others.items())
+    lines = [f"auto ({mode}): chose {winner.label}: {standing(winner, choice, facts)}"
+             + (f"; {winner.reason}" if winner.reason else "") + (f"; of the others {lost}" if lost else "")]
+    if choice.ranked[1:]:
+        runner_up = choice.ranked[1]
+        lines.append(f"auto: runner-up {runner_up.label}: {standing(runner_up, choice, facts)}; "
+                     f"lost {choice.compare(winner, runner_up)}")
+    return lines

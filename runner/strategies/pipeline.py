@@ -2,7 +2,7 @@
 plugins/pipeline.py."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, List, Optional
 
 from runner.core.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
@@ -69,8 +69,8 @@ class PipelineConfig(Strategy):
         micro-batches of activations alive, GPipe all of them."""
         stages = facts.world_size
         alive = min(1.0, stages / self.accumulate_steps) if self.schedule_mode == "1F1B" else 1.0
-        return Memory(memory.parameters / stages, memory.gradients / stages, memory.optimizer_states / stages,
-                      memory.activations / stages * alive)
+        return replace(memory, parameters=memory.parameters / stages, gradients=memory.gradients / stages,
+                       optimizer_states=memory.optimizer_states / stages, activations=memory.activations / stages * alive)
 
     def speed(self, facts: Facts) -> float:
         # The bubble: (stages - 1) of (micro-batches + stages - 1) slots idle, on each of `stages`

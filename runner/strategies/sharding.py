@@ -61,13 +61,19 @@ class ShardingConfig(Strategy):
         return None if facts.world_size >= 2 else "one process: nothing to shard over"
 
     def memory(self, memory: Memory, facts: Facts) -> Memory:
-        """ZeRO's per-process bytes: each stage divides one more kind by the degree."""
+        """ZeRO's per-process bytes: each stage divides one more kind by the degree. FSDP2 (stages
+        2 and 3) also holds gathered copies: stage 2 the whole model's parameters (in the compute
+        dtype) from forward to the end of backward, stage 3 those of the units computing (up to
+        the whole model when it is one unit); and the unsharded gradients of the unit being
+        reduced, in place of its shard."""
         degree = self.degree or facts.world_size
         shards = {"optimizer_states": memory.optimizer_states / degree}
         if self.stage >= 2:
-            shards["gradients"] = memory.gradients / degree
-        if self.stage == 3:
-            shards["parameters"] = memory.parameters / degree
+            unit = min(memory.parameters, self.segment_broadcast_MB * 2**20)  # float32 bytes
+            in_compute_dtype = unit * memory.compute_bytes / 4
+            shards["gradients"] = (memory.gradients - unit) / degree + in_compute_dtype
+            gathered = in_compute_dtype if self.stage == 3 else memory.parameters * memory.compute_bytes / 4
+            shards["parameters"] = memory.parameters / degree + gathered
         return replace(memory, **shards)
 
     def speed(self, facts: Facts) -> float:

@@ -1,10 +1,12 @@
-"""strategy=[auto]: the rules pick what they say for given facts, the candidates keep the user's
-numerics and optimizer, memory estimates follow ZeRO's formulas, and the search measures real
-trials (2 processes), survives a failing one, and leaves a best.yaml that reruns."""
+"""strategy=[auto]: the rules pick what they say for given facts, always a candidate that fits, at
+the largest micro-batch that fits, and refuse in one line when none does; the candidates keep the
+user's numerics and optimizer, memory estimates follow ZeRO's formulas, and the search measures
+real trials (2 processes), survives a failing one, and leaves a best.yaml that reruns, even copied alone."""
 from __future__ import annotations
 
 import csv
 import dataclasses
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -15,7 +17,8 @@ from probe import Knob, WiringCase
 from runner.config.compat import load_table
 from runner.core.contribution import Facts, Memory
 from runner.strategies import schemas
-from runner.strategies.auto import AutoConfig, candidates, estimate, fits, rules
+from runner.core.errors import ConfigError
+from runner.strategies.auto import AutoConfig, candidates, contenders, estimate, fits, memory_text, rules, verdict
 
 ROWS = load_table().allowed
 NUMERICS = {name for name, schema in schemas().items() if schema.changes_numerics}
@@ -30,17 +33,22 @@ def facts(**changes) -> Facts:
     return dataclasses.replace(base, **changes)
 
 
+def rules_for(run_facts: Facts, **knobs):
+    auto = AutoConfig(mode="rules", **knobs)
+    return rules(run_facts, auto, candidates(run_facts, auto, ROWS), ROWS)
+
+
 def chosen(run_facts: Facts, **knobs) -> dict:
-    return rules(run_facts, AutoConfig(mode="rules", **knobs), ROWS)[0].strategies
+    return rules_for(run_facts, **knobs).winner.strategies
 
 
 def test_rules_for_momentum_sgd_in_one_and_two_processes():
     assert chosen(facts()) == {}  # fits, and 16-bit autocast is slow on CPUs
     assert chosen(facts(), allow_numerics_change=True) == {"lars": {}}
-    choice, why = rules(facts(world_size=2), AutoConfig(allow_numerics_change=True), ROWS)
-    assert choice.strategies == {"lars": {}}  # Fleet's dgc and localsgd would also apply: the table allows neither with lars
-    assert why["dgc"].startswith("left out: the table does not allow it with lars")
-    assert why["lamb"] == "left out: LAMB replaces Adam or AdamW; the model's optimizer is sgd_momentum"
+    choice = rules_for(facts(world_size=2), allow_numerics_change=True)
+    assert choice.winner.strategies == {"lars": {}}  # Fleet's dgc and localsgd would also apply: the table allows neither with lars
+    assert choice.why["dgc"].startswith("left out: the table does not allow it with lars")
+    assert choice.why["lamb"] == "left out: LAMB replaces Adam or AdamW; the model's optimizer is sgd_momentum"
 
 
 def test_rules_for_adam_never_take_lars():
@@ -49,16 +57,79 @@ def test_rules_for_adam_never_take_lars():
     assert chosen(facts(optimizer="adam", device="cuda", bf16=False)) == {"amp": {"dtype": "float16"}}
 
 
-def test_rules_for_a_model_too_large_for_the_stated_memory():
-    # Adam, float32: 16 bytes a parameter = 800 MB, plus 400 MB of activations, against 0.6 GiB.
-    large = facts(parameters=50_000_000, optimizer="adam", activation_bytes=400 * 2**20, world_size=2,
-                  device_memory_bytes=int(0.6 * GIB))
-    choice, why = rules(large, AutoConfig(mode="rules"), ROWS)
-    # Recompute halves the activations (2 of 4 blocks' worth kept), then stage 1, 2 and 3 each
-    # shard one more kind; only stage 3 brings it under 0.6 GiB.
-    assert choice.strategies == {"recompute": {}, "sharding": {"stage": 3}}
-    assert fits(choice.memory, large) and not choice.reason
-    assert "exceeds 0.60 GiB" in why["recompute"] and why["pipeline"] == "left out: the estimate fits without it"
+# Adam, float32: 16 bytes a parameter = 800 MB, plus 400 MB of activations, in 2 processes.
+LARGE = dict(parameters=50_000_000, optimizer="adam", activation_bytes=400 * 2**20, world_size=2)
+
+
+@pytest.mark.parametrize("memory_gib", [0.3, 0.45, 0.6, 0.9, 1.5])
+def test_rules_choose_the_first_by_speed_of_the_candidates_that_fit(memory_gib):
+    """Whatever the memory, the rules' choice fits while any candidate does (no ladder stopping
+    at a strategy the table refuses), and no faster candidate fits (CPU: amp only if nothing else fits)."""
+    large = facts(**LARGE, device_memory_bytes=int(memory_gib * GIB))
+    listed = candidates(large, AutoConfig(mode="rules"), ROWS)
+    choice = rules(large, AutoConfig(mode="rules"), listed, ROWS)
+    fitting = [c for c in listed if c.status == "candidate"]
+    assert fitting and fits(choice.winner.memory, large) and choice.winner.status == "candidate"
+    without_amp = [c for c in fitting if "amp" not in c.strategies] or fitting
+    assert choice.winner.speed == max(c.speed for c in without_amp)
+    for name, why in choice.why.items():
+        assert why.startswith("taken: " if name in choice.winner.strategies else "left out: "), (name, why)
+    for name in choice.winner.strategies:  # taken: without it the estimate is over, or (no preference here) it ranks first
+        assert "per process >" in choice.why[name] or "ranks first" in choice.why[name], choice.why[name]
+    winner_line = verdict("rules", choice, listed, large)[0]
+    assert winner_line.startswith(f"auto (rules): chose {choice.winner.label}: estimated ")
+    assert "rank 1 of" in winner_line and "0.00 GiB" not in winner_line
+
+
+def test_nothing_fits_is_refused_in_one_line_with_the_smallest_estimate_and_the_ways_out():
+    tiny = facts(**LARGE, device_memory_bytes=2**20)  # 1 MiB for 800 MB of weights and states
+    listed = candidates(tiny, AutoConfig(mode="rules", device_memory_gb=1 / 1024), ROWS)
+    assert all(c.status == "pruned" for c in listed)
+    smallest = min(listed, key=lambda c: c.memory.total)
+    with pytest.raises(ConfigError) as refused:
+        contenders(listed, tiny, AutoConfig(device_memory_gb=1 / 1024))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("strategy.auto.device_memory_gb=0.0009765625: no candidate fits: "
+                                                       f"the smallest estimate, {smallest.label}, is ")
+    assert f"{memory_text(smallest.memory.total)} per process > 1.0 MiB" in message
+    assert "more processes (now 2)" in message and "strategy.auto.device_memory_gb >= " in message
+    # Only the weights and states alone fit: a smaller batch helps, and the command says how small.
+    small = facts(blocks=0, activation_bytes=2000 * 2**20, device_memory_bytes=100 * 2**20)
+    with pytest.raises(ConfigError, match=r"data\.batch_size <= \d+ \(now 32\)"):
+        rules_for(small, device_memory_gb=100 / 1024)
+
+
+def test_the_largest_micro_batch_that_fits_is_kept_and_chosen():
+    """Gradient merging splits the batch of 32 into k micro-batches, the global batch unchanged:
+    12 MB of weights, gradients and momentum plus 40 MiB of activations fit 35 MiB only with
+    k = 2 or more, and the rules take k = 2 (micro-batches of 16), as DeepSpeed's autotuner takes
+    the largest micro-batch that fits."""
+    split = facts(activation_bytes=40 * 2**20, device_memory_bytes=35 * 2**20)
+    listed = {c.label: c for c in candidates(split, AutoConfig(mode="rules"), ROWS)}
+    assert listed["none"].status == "pruned" and listed["gradient_merge(k_steps=2)"].status == "candidate"
+    assert "gradient_merge(k_steps=4)" not in listed  # a smaller micro-batch where 16 fits: never better
+    choice = rules_for(split)
+    assert choice.winner.strategies == {"gradient_merge": {"k_steps": 2}} and choice.winner.micro_batch == 16
+    assert choice.why["gradient_merge"].startswith("taken: without it, estimated ")
+    assert listed["none"].reason == f"estimated {memory_text(listed['none'].memory.total)} per process > 35.0 MiB"
+
+
+def test_a_gradient_merge_choice_trains_micro_batches_of_the_same_global_batch(spec_for):
+    from runner.command.autotune import with_strategies
+
+    spec = spec_for("strategy=[auto]", "model=gpt", "data=language_model")
+    chosen_spec = with_strategies(spec, {"gradient_merge": {"k_steps": 4}})
+    assert chosen_spec.batch_size * 4 == spec.batch_size == 32
+    assert chosen_spec.strategies["gradient_merge"].k_steps == 4 and "auto" not in chosen_spec.strategies
+    assert with_strategies(spec, {"recompute": {}}).batch_size == 32
+
+
+def test_memory_figures_read_in_the_unit_they_reach():
+    assert memory_text(13.7 * 2**20) == "13.7 MiB"
+    assert memory_text(5.1 * 2**20) == "5.1 MiB"
+    assert memory_text(1.14 * GIB) == "1.14 GiB"
+    assert memory_text(96 * 2**10) == "96.0 KiB"
+    assert memory_text(0.005 * GIB) == "5.1 MiB"  # strategy.auto.device_memory_gb=0.005: not "0.00 GiB"
 
 
 def test_candidates_keep_the_numerics_and_the_optimizer():
@@ -71,7 +142,7 @@ def test_candidates_keep_the_numerics_and_the_optimizer():
 
 def test_candidates_over_the_memory_are_pruned_with_their_estimate():
     tight = facts(parameters=50_000_000, optimizer="adam", activation_bytes=400 * 2**20, world_size=2,
-                  device_memory_bytes=int(0.6 * GIB))
+                  device_memory_bytes=int(0.65 * GIB))
     listed = {c.label: c for c in candidates(tight, AutoConfig(), ROWS)}
     assert listed["none"].status == "pruned" and listed["none"].reason.startswith("estimated 1.14 GiB per process")
     assert listed["recompute+sharding(stage=3)"].status == "candidate"
@@ -82,10 +153,16 @@ def test_candidates_over_the_memory_are_pruned_with_their_estimate():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_sharding_estimate_follows_zero_formulas(stage):
     """ZeRO (Rajbhandari et al. 2020) in float32 with Adam: 4 bytes of parameters, 4 of gradients,
-    8 of moments per parameter; stage k shards the last k of (moments, gradients, parameters)."""
+    8 of moments per parameter; stage k shards the last k of (moments, gradients, parameters).
+    FSDP2 (stages 2 and 3) holds besides the gathered parameters (stage 2 all of them from forward
+    to the end of backward, stage 3 one unit of segment_broadcast_MB) and one unit's gradients
+    before they are reduced to its shard."""
     run, n, p = facts(optimizer="adam", world_size=4, activation_bytes=0), 4, 1_000_000
-    expected = {1: 4 * p + 4 * p + 8 * p / n, 2: 4 * p + (4 + 8) * p / n, 3: (4 + 4 + 8) * p / n}[stage]
-    memory, _ = estimate(run, {"sharding": schemas()["sharding"](stage=stage)})
+    unit = 2**20  # segment_broadcast_MB=1: a quarter of the 4 MB of parameters
+    expected = {1: 4 * p + 4 * p + 8 * p / n,
+                2: (4 * p / n + 4 * p) + ((4 * p - unit) / n + unit) + 8 * p / n,
+                3: (4 * p / n + unit) + ((4 * p - unit) / n + unit) + 8 * p / n}[stage]
+    memory, _ = estimate(run, {"sharding": schemas()["sharding"](stage=stage, segment_broadcast_MB=1.0)})
     assert memory.total == pytest.approx(expected)
     assert Memory.of(run).total == 16 * p
 
@@ -124,6 +201,63 @@ def test_search_in_two_processes_chooses_measured_and_best_yaml_reruns(lightflee
     assert again.returncode == 0, again.stderr[-3000:]
     assert read(tmp_path / "again" / "plan.yaml")["strategies"] == list(choice["strategies"])
     assert read(tmp_path / "again" / "config.yaml")["model"] == read(tmp_path / "run" / "config.yaml")["model"]
+
+
+# conf/model/gpt.yaml's decoder in 2 processes, planned for 5 MiB a process: only some candidates fit.
+TIGHT_GPT = ("strategy=[auto]", "model=gpt", "data=language_model", "trainer.devices=2", "strategy.auto.mode=rules",
+             "strategy.auto.device_memory_gb=0.005")
+
+
+def test_rules_in_two_processes_train_a_candidate_that_fits_and_best_yaml_reruns_copied_alone(lightfleet, tmp_path):
+    done = lightfleet(*TIGHT_GPT, "trainer.max_steps=2", "trainer.enable_progress_bar=false", "paths.output_dir=run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    choice = read(tmp_path / "run" / "auto" / "choice.yaml")
+    rows = {row["strategies"]: row for row in candidate_rows(tmp_path / "run")}
+    limit_mib = choice["facts"]["device_memory_bytes"] / 2**20
+    winner = rows[choice["chosen"]]
+    assert winner["status"] == "candidate" and float(winner["estimated_memory_mib"]) <= limit_mib
+    assert rows["none"]["status"] == "pruned"  # the choice was needed
+    fitting = [row for row in rows.values() if row["status"] == "candidate"]
+    assert float(winner["estimated_speed"]) == max(float(row["estimated_speed"]) for row in fitting
+                                                   if "amp" not in row["strategies"])
+    assert f"auto (rules): chose {choice['chosen']}: estimated " in done.stdout and "auto: runner-up " in done.stdout
+    assert "0.00 GiB" not in done.stdout and "MiB per process" in done.stdout
+    # The global batch stays 32: gradient merging's k micro-batches of 32 / k.
+    config = read(tmp_path / "run" / "config.yaml")
+    k_steps = choice["strategies"].get("gradient_merge", {}).get("k_steps", 1)
+    assert config["data"]["batch_size"] * k_steps == 32 == choice["facts"]["batch_size"]
+    assert int(winner["micro_batch"]) == config["data"]["batch_size"] == choice["micro_batch"]
+    # experiment/best.yaml alone in another config directory reruns the winner.
+    (tmp_path / "mine" / "experiment").mkdir(parents=True)
+    shutil.copy(tmp_path / "run" / "auto" / "experiment" / "best.yaml", tmp_path / "mine" / "experiment")
+    again = lightfleet("--config-dir", "mine", "experiment=best", "trainer.max_steps=1", "paths.output_dir=again")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert read(tmp_path / "again" / "plan.yaml")["strategies"] == list(choice["strategies"])
+    rerun = read(tmp_path / "again" / "config.yaml")
+    for group in ("model", "data", "strategy"):
+        assert rerun[group] == config[group], group
+
+
+def test_a_model_that_fits_nowhere_is_refused_in_one_line_and_nothing_trains(lightfleet, tmp_path):
+    done = lightfleet(*TIGHT_GPT, "strategy.auto.device_memory_gb=0.0001", "paths.output_dir=run")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("lightfleet:")]
+    assert len(said) == 1 and said[0].startswith("lightfleet: error: strategy.auto.device_memory_gb=0.0001: no "
+                                                 "candidate fits: the smallest estimate, "), done.stderr
+    assert "MiB per process > 104.9 KiB" in said[0] and "more processes (now 2)" in said[0]
+    assert not (tmp_path / "run" / "results.yaml").exists() and not (tmp_path / "run" / "auto").exists()
+
+
+def test_dry_run_shows_the_facts_candidates_and_the_rules_choice_and_trains_nothing(lightfleet, tmp_path):
+    done = lightfleet("dry_run=true", *TIGHT_GPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "strategies: auto" in done.stdout  # the plan, as any dry run prints it
+    assert "auto: facts: parameters=" in done.stdout and "device_memory_bytes=5.1 MiB" in done.stdout
+    assert "auto: candidates (" in done.stdout and "  none: " in done.stdout
+    assert "auto (rules): chose " in done.stdout and "auto: gradient_merge: " in done.stdout
+    searched = lightfleet("dry_run=true", *TIGHT_GPT, "strategy.auto.mode=search")
+    assert searched.returncode == 0 and "auto (search): would run trials of up to " in searched.stdout
+    assert list(tmp_path.iterdir()) == []  # no run directory: nothing trained
 
 
 USER_MODEL = '''

@@ -1,0 +1,355 @@
+"""strategy=[auto]'s memory estimates against what each rank holds: for every candidate auto lists
+for the built-in GPT and MLP (conf/model) and a user model of this file (nested blocks, batch
+norm), in 1 and 2 processes over gloo on the CPU.
+
+    python bench/auto_memory.py                        # bench/auto_memory.json, the table printed
+    python bench/auto_memory.py --models gpt --world-sizes 2
+
+Each candidate is a run built as lightfleet builds it: the config composed from overrides, the
+plan made by the command's `plan_for`, the Trainer, model and data by the rank's `build`, trained
+for one optimizer step with `PeakMemory` (below) among its callbacks. All candidates of one model
+and world size run in one set of ranks (torch.distributed.run), one after another. The estimate is
+`runner.strategies.auto.candidates` on the facts `plugins.auto.gather_facts` gathers for the run
+(`device_memory_gb` set tiny so that nothing fits and gradient merging is listed everywhere).
+
+Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its
+local shard): parameters (the optimizer's and the module's, gathered ones included), gradients,
+optimizer states, and saved activations: what autograd saves for backward (saved_tensors_hooks)
+and still holds, plus, while recompute rebuilds a block in backward, what that block's forward
+made and still holds. Each kind's peak is the largest value seen at any saved-tensor pack or
+unpack, at the end of every module's forward, before the optimizer step and after it, over the
+first optimizer step (all its micro-batches). The busiest rank's peak is the one reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # runner/, plugins/ and bench/ when lightfleet is not installed
+from runner.models import ClassifierModule, OptimizerFactory  # noqa: E402
+
+KINDS = ("parameters", "gradients", "optimizer_states", "activations")
+# Overrides of each model's runs: the built-in GPT and MLP with their data, and this file's model.
+MODELS = {
+    "gpt": ["model=gpt", "data=language_model"],
+    "mlp": ["model=mlp", "data=classification"],
+    "user": ["model=mlp", "data=classification", "model._target_=bench.auto_memory.NestedBatchNormNet"],
+}
+QUIET = ["logger=none", "callbacks=none", "trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false", "trainer.limit_val_batches=0", "trainer.max_steps=1",
+         "measure.enabled=false", "+callbacks.memory._target_=bench.auto_memory.PeakMemory"]
+GOAL_EACH, GOAL_MEDIAN = 0.25, 0.10  # every estimate within 25% of the measured bytes, the median within 10%
+
+
+class NestedBatchNormNet(ClassifierModule):
+    """A user's model: its repeated blocks sit inside a Sequential next to the stem (not at the
+    top), each block nests its own Sequential with batch norm. MLPClassifier's arguments, so that
+    conf/model/mlp.yaml builds it with `model._target_`."""
+
+    def __init__(self, input_dim: int = 32, hidden_dim: int = 64, num_blocks: int = 3, num_classes: int = 4,
+                 optimizer: Optional[OptimizerFactory] = None) -> None:
+        super().__init__(optimizer)
+        self.trunk = nn.Sequential(OrderedDict(
+            stem=nn.Linear(input_dim, hidden_dim),
+            blocks=nn.Sequential(*(NormBlock(hidden_dim) for _ in range(num_blocks)))))
+        self.head = nn.Linear(hidden_dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+
+class NormBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, 2 * dim), nn.BatchNorm1d(2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim),
+                                 nn.BatchNorm1d(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.net(x))
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
+    """Data pointer -> bytes of the distinct storages behind `tensors` (meta tensors hold none)."""
+    found = {}
+    for tensor in tensors:
+        storage = local(tensor).untyped_storage()
+        if tensor.device.type != "meta" and storage.nbytes():
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+class Outputs(TorchDispatchMode):
+    """Keeps weak references to every tensor the ops make while it is on: what a block's
+    recomputation in backward makes and still holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: List[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def alive(self) -> List[torch.Tensor]:
+        return [t for t in (ref() for ref in self.made) if t is not None]
+
+
+class PeakMemory(pl.Callback):
+    """Each kind's peak bytes on this rank over the first optimizer step (module docstring), written
+    to memory.rank<r>.json in the run directory."""
+
+    def __init__(self) -> None:
+        self.peak = dict.fromkeys(KINDS, 0)
+        self.saved: List[weakref.ref] = []
+        self.rebuilding: List[Outputs] = []
+        self.hooks: Any = None
+        self.handles: List[Any] = []
+        self.trainer: Optional[pl.Trainer] = None
+
+    def parameters(self) -> List[torch.Tensor]:
+        trained = [p for optimizer in self.trainer.optimizers for group in optimizer.param_groups for p in group["params"]]
+        return trained + list(self.trainer.lightning_module.parameters())
+
+    def sample(self, optimizer_states: bool = False) -> None:
+        parameters = self.parameters()
+        held = {"parameters": storages(parameters),
+                "gradients": storages(p.grad for p in parameters if p.grad is not None)}
+        activations = [t for t in (ref() for ref in self.saved) if t is not None]
+        activations += [t for outputs in self.rebuilding for t in outputs.alive()]
+        held["activations"] = {ptr: size for ptr, size in storages(activations).items()
+                               if ptr not in held["parameters"] and ptr not in held["gradients"]}
+        if optimizer_states:
+            held["optimizer_states"] = storages(
+                t for optimizer in self.trainer.optimizers for state in getattr(optimizer, "optim", optimizer).state.values()
+                for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        for kind, found in held.items():
+            self.peak[kind] = max(self.peak[kind], sum(found.values()))
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.saved.append(weakref.ref(tensor))
+        self.sample()
+        return tensor
+
+    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.sample()
+        return tensor
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trainer = trainer
+        for module in pl_module.modules():
+            self.handles.append(module.register_forward_hook(lambda *_: self.sample()))
+            if hasattr(module, "_checkpoint_wrapped_module"):  # recompute's wrapper: watch the rebuild in backward
+                inner = module._checkpoint_wrapped_module
+                self.handles += [inner.register_forward_pre_hook(lambda *_: self.start_rebuild()),
+                                 inner.register_forward_hook(lambda *_: self.end_rebuild())]
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.hooks.__enter__()
+
+    def start_rebuild(self) -> None:
+        if torch._C._current_graph_task_id() != -1:  # in backward: checkpoint recomputes the block
+            self.rebuilding.append(Outputs())
+            self.rebuilding[-1].__enter__()
+
+    def end_rebuild(self) -> None:
+        if self.rebuilding and torch._C._current_graph_task_id() != -1:
+            self.sample()
+            self.rebuilding.pop().__exit__(None, None, None)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.sample()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step < 1 or self.hooks is None:
+            return
+        self.sample(optimizer_states=True)
+        self.hooks.__exit__(None, None, None)
+        self.hooks = None
+        for handle in self.handles:
+            handle.remove()
+        Path(trainer.default_root_dir, f"memory.rank{trainer.global_rank}.json").write_text(json.dumps(self.peak))
+
+
+def rank_main(runs: Path) -> None:
+    """Every candidate listed in runs/candidates.json, one after another, in this rank."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from runner.core.plan import Plan
+    from runner.rank.build import build
+
+    torch.set_num_threads(1)
+    for name in json.loads((runs / "candidates.json").read_text()):
+        run_dir = runs / name
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+        built = build(cfg, Plan.from_dict(json.loads((run_dir / "plan.json").read_text())), run_dir)
+        built.trainer.fit(built.model, datamodule=built.datamodule)
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def overrides(strategies: Dict[str, Dict[str, Any]]) -> List[str]:
+    """The command-line overrides that select `strategies` with their knobs."""
+    return [f"strategy=[{','.join(strategies)}]",
+            *(f"strategy.{name}.{knob}={value}" for name, knobs in strategies.items() for knob, value in knobs.items())]
+
+
+def estimates(model: str, world_size: int) -> List[Dict[str, Any]]:
+    """auto's candidates for `model` in `world_size` processes: strategies, knobs and estimated bytes by kind."""
+    from hydra.utils import instantiate
+
+    from plugins.auto import gather_facts
+    from runner.config.checks import validate
+    from runner.config.compat import load_table
+    from runner.config.compose import compose_config
+    from runner.strategies.auto import AutoConfig, candidates, micro_batch
+
+    spec = validate(compose_config([*MODELS[model], f"trainer.devices={world_size}"]))
+    facts = gather_facts(lambda: instantiate(spec.cfg.model, _convert_="all"), instantiate(spec.cfg.data),
+                         device="cpu", world_size=world_size, num_nodes=1, batch_size=spec.batch_size,
+                         device_memory_gb=2**-30)  # one byte: nothing fits, every memory-only variant is listed
+    return [{"label": c.label, "strategies": c.strategies, "batch_size": spec.batch_size,
+             "micro_batch": micro_batch(spec.batch_size, c.strategies),
+             "estimate": {kind: getattr(c.memory, kind) for kind in KINDS}}
+            for c in candidates(facts, AutoConfig(), load_table().allowed)]
+
+
+def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: Path, timeout: float = 1200) -> None:
+    """Each candidate's measured peak bytes by kind (the busiest rank's) into its dict, under
+    "measured"; one the plan refuses gets "refused" (the reason) instead."""
+    from omegaconf import OmegaConf
+
+    from runner.config.checks import plan_for, validate
+    from runner.config.compose import compose_config
+    from runner.core.errors import ConfigError, Refusal
+
+    names = []
+    for index, entry in enumerate(listed):
+        name = f"{index:03d}"
+        run_dir = workdir / name
+        try:
+            # As auto runs a candidate: gradient merging's k micro-batches of batch / k.
+            batch = [f"data.batch_size={entry['micro_batch']}"] if entry["micro_batch"] != entry["batch_size"] else []
+            spec = validate(compose_config([*MODELS[model], f"trainer.devices={world_size}", *QUIET, *batch,
+                                            *overrides(entry["strategies"]), f"paths.output_dir={run_dir}"]))
+            plan = plan_for(spec)
+        except (ConfigError, Refusal) as refused:
+            entry["refused"] = str(refused).splitlines()[0]
+            continue
+        run_dir.mkdir(parents=True)
+        OmegaConf.save(spec.cfg, run_dir / "config.yaml")
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict()))
+        names.append((name, entry))
+    (workdir / "candidates.json").write_text(json.dumps([name for name, _ in names]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={world_size}", str(Path(__file__).resolve()), "--rank-side", str(workdir)],
+                          env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"the ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    for name, entry in names:
+        ranks = [json.loads((workdir / name / f"memory.rank{rank}.json").read_text()) for rank in range(world_size)]
+        entry["measured"] = {kind: max(rank[kind] for rank in ranks) for kind in KINDS}
+
+
+def ratios(entry: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """estimate / measured by kind and in total (None where nothing was measured)."""
+    measured, estimated = entry["measured"], entry["estimate"]
+    found = {kind: estimated[kind] / measured[kind] if measured[kind] else None for kind in KINDS}
+    found["total"] = sum(estimated.values()) / sum(measured.values())
+    return found
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2], metavar="N")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "auto_memory.json")
+    parser.add_argument("--rank-side", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_side:
+        rank_main(args.rank_side)
+        return 0
+    from bench.spawning import machine
+
+    record: Dict[str, Any] = {
+        "command": " ".join(["python", "bench/auto_memory.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine(), "goal": f"every estimate within {GOAL_EACH:.0%}, the median within {GOAL_MEDIAN:.0%}",
+        "results": {}}
+    for model in args.models:
+        for world_size in args.world_sizes:
+            listed = estimates(model, world_size)
+            with tempfile.TemporaryDirectory() as tmp:
+                measure(model, world_size, listed, Path(tmp))
+            for entry in listed:
+                if "measured" in entry:
+                    entry["estimate_over_measured"] = ratios(entry)
+            record["results"][f"{model} x{world_size}"] = listed
+            print_table(model, world_size, listed)
+    record["summary"] = summary(record["results"])
+    print(json.dumps(record["summary"], indent=2))
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+def print_table(model: str, world_size: int, listed: List[Dict[str, Any]]) -> None:
+    print(f"\n{model}, {world_size} process(es): estimate / measured by kind (measured MB)")
+    print(f"{'candidate':<58}" + "".join(f"{kind[:11]:>16}" for kind in (*KINDS, "total")))
+    for entry in listed:
+        if "refused" in entry:
+            print(f"{entry['label']:<58} refused: {entry['refused'][:80]}")
+            continue
+        found, measured = entry["estimate_over_measured"], entry["measured"]
+        cells = [f"{found[kind]:.2f} ({measured[kind] / 2**20:.2f})" if found[kind] is not None else "-"
+                 for kind in KINDS]
+        cells.append(f"{found['total']:.2f}")
+        print(f"{entry['label']:<58}" + "".join(f"{cell:>16}" for cell in cells))
+
+
+def summary(results: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """Over every measured candidate and kind: the median and the worst estimate/measured, and
+    which fall outside the goal."""
+    cells = [(run, entry["label"], kind, value) for run, listed in results.items() for entry in listed
+             if "measured" in entry for kind, value in entry["estimate_over_measured"].items() if value is not None]
+    outside = [f"{run} {label} {kind}: {value:.2f}" for run, label, kind, value in cells if abs(value - 1) > GOAL_EACH]
+    totals = [value for *_, kind, value in cells if kind == "total"]
+    return {"candidates": sum("measured" in entry for listed in results.values() for entry in listed),
+            "refused": sum("refused" in entry for listed in results.values() for entry in listed),
+            "median_total": statistics.median(totals), "median_all_kinds": statistics.median(v for *_, v in cells),
+            "within_25pct": len(cells) - len(outside), "cells": len(cells), "outside_25pct": outside}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
