@@ -42,6 +42,8 @@ from runner.core.world import World
 TRIAL_TRAINER = {"limit_val_batches": 0, "enable_checkpointing": False, "enable_progress_bar": False,
                  "num_sanity_val_steps": 0}
 MEASURED = ("samples_per_s", "step_time_median_s", "peak_memory_mb")  # of a trial's results, into candidates.csv
+# The top two trials closer than this are within a short trial's noise on a shared machine: both run again.
+CONFIRM_WITHIN = 0.05
 
 
 def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tuple[RunSpec, Plan]]:
@@ -124,7 +126,36 @@ def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: P
         choice = rules(facts, auto, listed, load_table().allowed)
         choice.winner.reason = "no trial finished: the rules' choice"
         return choice
+    if len(finished) >= 2 and within_noise(*finished[:2]):
+        finished = confirmed(spec, listed, finished, auto, auto_dir, command)
     return Choice(finished, faster, accounts(finished, listed, facts, auto, faster, preferred={}, left_out={}))
+
+
+def within_noise(first: Candidate, second: Candidate) -> bool:
+    return second.measured["samples_per_s"] >= (1 - CONFIRM_WITHIN) * first.measured["samples_per_s"]
+
+
+def confirmed(spec: RunSpec, listed: List[Candidate], finished: List[Candidate], auto: AutoConfig, auto_dir: Path,
+              command: Sequence[str]) -> List[Candidate]:
+    """The top two trials, within a trial's noise of each other, run again (after the budget too:
+    two trials more at most); each is ranked by the mean of its two trials. The winner's reason
+    says whether the second trials changed the lead."""
+    leader = finished[0]
+    for c in finished[:2]:
+        first = c.measured
+        run_trial(spec, c, auto, auto_dir / TRIALS_DIR / f"{listed.index(c)}_again", command)
+        if c.status != "ok":  # a second trial that failed leaves the first one's figures
+            c.status, c.measured, c.reason = "ok", first, f"its second trial failed: {c.reason}"
+            continue
+        trials = [first["samples_per_s"], c.measured["samples_per_s"]]
+        c.measured = {**c.measured, "samples_per_s": sum(trials) / 2, "trials_samples_per_s": trials}
+        print(f"auto: trial again {c.label}: {trials[1]:,.1f} samples/s (mean of two {c.measured['samples_per_s']:,.1f})",
+              flush=True)
+    ranked = sorted(finished, key=lambda c: -c.measured["samples_per_s"])
+    verdict = "kept the lead" if ranked[0] is leader else f"took the lead from {leader.label}"
+    ranked[0].reason = (f"the top two trials were within {CONFIRM_WITHIN:.0%}: both ran again; {ranked[0].label} "
+                        f"{verdict} on the mean of two trials")
+    return ranked
 
 
 def faster(a: Candidate, b: Candidate) -> str:
