@@ -5,13 +5,19 @@ then runs every candidate it did not prune or refuse at full length, one plain r
 auto's wall time <= 25% of the sweep's; its choice's full-length samples/s >= 90% of the best's.
 Both sides: OMP_NUM_THREADS=1, no validation, checkpoints, loggers or progress bar (as auto's trials).
 
+With --memory-bound, the memory per process (strategy.auto.device_memory_gb) is set where memory
+binds: no strategy alone fits, and at most a third of the candidates do (found from auto's own
+estimates); the sweep then runs the candidates that fit. One more goal: auto's choice fits.
+
     python bench/auto.py                                   # defaults, results in bench/auto.json
+    python bench/auto.py --memory-bound                    # results in bench/auto_memory_bound.json
     python bench/auto.py --budget 30 --full-steps 100 --max-candidates 6 --out /tmp/auto.json
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import sys
 import tempfile
@@ -41,11 +47,11 @@ LEAN = [*LIGHTFLEET_QUIET, "trainer.limit_val_batches=0"]
 NOT_RUNNABLE = ("pruned", "refused")
 
 
-def run_auto(args: argparse.Namespace, out_dir: Path) -> Dict[str, Any]:
+def run_auto(args: argparse.Namespace, out_dir: Path, *extra: str) -> Dict[str, Any]:
     """auto's search, timed: its wall time, its choice.yaml and its candidates.csv rows."""
     command = [sys.executable, "-m", "runner", "strategy=[auto]", *GPT, *LEAN, f"trainer.devices={args.devices}",
                "strategy.auto.search_only=true", f"strategy.auto.budget_s={args.budget}",
-               f"strategy.auto.trial_steps={args.trial_steps}", f"paths.output_dir={out_dir}"]
+               f"strategy.auto.trial_steps={args.trial_steps}", f"paths.output_dir={out_dir}", *extra]
     wall_s = timed(command)
     choice = yaml.safe_load((out_dir / "auto" / "choice.yaml").read_text())
     with (out_dir / "auto" / "candidates.csv").open(newline="") as table:
@@ -58,6 +64,19 @@ def derived_candidates(choice: Dict[str, Any]) -> Dict[str, Candidate]:
     records: their strategies and knobs come from here, not from parsing labels."""
     listed = candidates(Facts(**choice["facts"]), AutoConfig(**choice["knobs"]), load_table().allowed)
     return {c.label: c for c in listed}
+
+
+def memory_bound_limit(args: argparse.Namespace, out_dir: Path) -> int:
+    """Bytes per process where no strategy alone fits and at most a third of the candidates do,
+    the largest such limit, from the estimates of auto's rules on this model (no trial: the facts only)."""
+    rules_only = run_auto(args, out_dir, "strategy.auto.mode=rules", "strategy.auto.device_memory_gb=1000")
+    facts, rows = Facts(**rules_only["choice"]["facts"]), load_table().allowed
+    for limit in sorted({c.memory.total for c in candidates(facts, AutoConfig(), rows)}, reverse=True):
+        listed = candidates(dataclasses.replace(facts, device_memory_bytes=int(limit)), AutoConfig(), rows)
+        fitting = [c for c in listed if c.status != "pruned"]
+        if fitting and all(len(c.strategies) >= 2 for c in fitting) and len(fitting) <= len(listed) / 3:
+            return int(limit)
+    sys.exit("bench: no memory limit leaves every single strategy out while a third of the candidates or fewer fit")
 
 
 def to_sweep(rows: List[Dict[str, str]], chosen: str, cap: Optional[int]) -> List[Dict[str, str]]:
@@ -140,7 +159,9 @@ def verdict(auto: Dict[str, Any], table: List[Dict[str, Any]], runnable: int) ->
     best = max(table, key=lambda row: row["full_samples_per_s"])
     chosen_full = next(row["full_samples_per_s"] for row in table if row["candidate"] == chosen)
     wall_ratio, speed_ratio = auto["wall_s"] / sweep_s, chosen_full / best["full_samples_per_s"]
-    return {"chosen": chosen, "auto_wall_s": auto["wall_s"], "sweep_wall_s": sweep_s, "wall_ratio": wall_ratio,
+    chosen_row = next(row for row in auto["rows"] if row["strategies"] == chosen)
+    return {"chosen": chosen, "chosen_fits": chosen_row["status"] not in NOT_RUNNABLE,
+            "confirmation": auto["choice"]["reason"] or "the top two trials were not within noise", "auto_wall_s": auto["wall_s"], "sweep_wall_s": sweep_s, "wall_ratio": wall_ratio,
             "wall_goal": "<= 0.25", "wall_met": wall_ratio <= 0.25, "best": best["candidate"],
             "best_full_samples_per_s": best["full_samples_per_s"], "chosen_full_samples_per_s": chosen_full,
             "speed_ratio": speed_ratio, "speed_goal": ">= 0.90", "speed_met": speed_ratio >= 0.90,
@@ -161,7 +182,9 @@ def report(figures: Dict[str, Any], table: List[Dict[str, Any]], confirmed: Opti
                      f"| {row['full_samples_per_s']:,.1f} | {row['full_wall_s']:.1f} |")
     capped = (f" (CAPPED: {figures['swept']} of {figures['runnable']} runnable candidates; the full sweep "
               f"would take longer)" if figures["capped"] else "")
-    lines += ["", f"auto wall {figures['auto_wall_s']:.1f} s / sweep wall {figures['sweep_wall_s']:.1f} s{capped} "
+    lines += ["", f"auto's choice fits by its estimate: {figures['chosen_fits']} (goal: always: "
+                  f"{met(figures['chosen_fits'])}); confirmation: {figures['confirmation']}",
+              f"auto wall {figures['auto_wall_s']:.1f} s / sweep wall {figures['sweep_wall_s']:.1f} s{capped} "
                   f"= {figures['wall_ratio']:.3f} (goal <= 0.25: {met(figures['wall_met'])})",
               f"sweep: chosen {figures['chosen']} {figures['chosen_full_samples_per_s']:,.1f} / best {figures['best']} "
               f"{figures['best_full_samples_per_s']:,.1f} samples/s = {figures['speed_ratio']:.3f} "
@@ -184,12 +207,21 @@ def main() -> None:
                         help="sweep only the first N runnable candidates (+ the chosen one); says so in the output")
     parser.add_argument("--confirm-repeats", type=int, default=3,
                         help="interleaved full-length pairs of the chosen and the sweep's best (0: none)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "auto.json")
+    parser.add_argument("--memory-bound", action="store_true",
+                        help="set the memory where no strategy alone fits and at most a third of the candidates do")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results file (default: bench/auto.json, or bench/auto_memory_bound.json)")
     args = parser.parse_args()
+    args.out = args.out or ROOT / "bench" / ("auto_memory_bound.json" if args.memory_bound else "auto.json")
 
     with tempfile.TemporaryDirectory() as tmp:
+        limit = []
+        if args.memory_bound:
+            gib = memory_bound_limit(args, Path(tmp) / "estimates") / 2**30
+            print(f"memory bound: strategy.auto.device_memory_gb={gib:.6f} ({gib * 1024:.1f} MiB per process)", flush=True)
+            limit = [f"strategy.auto.device_memory_gb={gib:.6f}"]
         print(f"auto: searching, budget {args.budget:g} s, {args.trial_steps} steps a trial ...", flush=True)
-        auto = run_auto(args, Path(tmp) / "auto")
+        auto = run_auto(args, Path(tmp) / "auto", *limit)
         print(f"auto: chose {auto['choice']['chosen']} in {auto['wall_s']:.1f} s", flush=True)
         table = run_sweep(args, auto, Path(tmp) / "full")
         runnable = sum(row["status"] not in NOT_RUNNABLE for row in auto["rows"])
@@ -199,7 +231,8 @@ def main() -> None:
     results = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
                "settings": {key: (str(value) if isinstance(value, Path) else value)
                             for key, value in vars(args).items()},
-               "model": GPT, "auto_overrides": auto["command"][3:], "figures": figures, "confirmed": confirmed,
+               "model": GPT, "auto_overrides": auto["command"][3:], "memory_limit": limit, "figures": figures,
+               "confirmed": confirmed,
                "table": table, "auto_candidates": auto["rows"]}
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"results written to {args.out}")

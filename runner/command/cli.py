@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, List, NoReturn, Optional, Sequence, Tuple
 
-from runner.command import preflight
+from runner.command import preflight, usage
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
 from runner.core.clock import mark_start
 from runner.rank.parent import INTERRUPTED, STOPPED
@@ -42,28 +42,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cwd = os.getcwd()
     sys.path.insert(0, cwd)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
-    if args and args[0] == "report":
-        from runner.records import report
-
-        return report.main(args[1:])
-    if args and args[0] == "prepare-data":  # text into token files, without torch
-        from runner.data import prepare
-
-        return prepare.main(args[1:])
-    if args and args[0] in ("import-fleet", "export-fleet"):
-        from runner.fleet import cli as fleet
-
-        return fleet.main(args)
+    if args and args[0] in usage.SUBCOMMANDS and args[0] not in RUN_DIR_COMMANDS:  # they parse their own arguments
+        return main_of(args[0])(args if args[0].endswith("-fleet") else args[1:])
+    if {"-h", "--help"} & set(args) or args[:1] == ["--version"]:  # answered without torch, Lightning or Hydra
+        return print_usage(args)
     try:
         with exit_on_user_error():
             if args and args[0] in RUN_DIR_COMMANDS:
                 args = from_run_dir(args[0], args[1:])
+            elif args:
+                usage.check_subcommand(args[0])
             if not {"-m", "--multirun", *SHOW_FLAGS} & set(args):
                 preflight.command_line(args)
             return run_app(args)
     except KeyboardInterrupt:  # Ctrl-C outside a run (a run takes it itself: runner/command/launch.py)
         print("lightfleet: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+def print_usage(args: List[str]) -> int:
+    """`--help` (of the command, or of resume, eval and replay) or `--version`."""
+    if args[:1] == ["--version"]:
+        print(usage.version_text(), end="")
+    elif args[0] in usage.RUN_DIR_HELP:
+        print(usage.run_dir_help(args[0]), end="")
+    else:
+        print(usage.help_text(usage.config_dir_of(args)), end="")
+    return 0
+
+
+def main_of(subcommand: str):
+    """The entry point of a subcommand that parses its own arguments."""
+    if subcommand == "report":
+        from runner.records.report import main as report_main
+
+        return report_main
+    if subcommand == "prepare-data":
+        from runner.data.prepare import main as prepare_main
+
+        return prepare_main
+    from runner.fleet.cli import main as fleet_main
+
+    return fleet_main
 
 
 def from_run_dir(command: str, args: List[str]) -> List[str]:
@@ -99,14 +119,10 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
 def run_app(args: List[str]) -> int:
     from hydra._internal.utils import _run_hydra, get_args_parser
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
     from runner.command.job import run_job
     from runner.config.compat import CONF_DIR
     from runner.config.compose import CONFIG_NAME
-
-    # --help lists the preflight's stages (conf/hydra/default.yaml's footer).
-    OmegaConf.register_new_resolver("lightfleet_preflight", lambda: "; ".join(preflight.stage_names()), replace=True)
 
     parser = get_args_parser()
     parser.prog = "lightfleet"

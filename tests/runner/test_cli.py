@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
 from runner import strategies
+from runner.command import usage
 
 HEAVY = ("torch", "pytorch_lightning", "lightning_fabric")
 
@@ -115,3 +117,33 @@ def test_cfg_prints_the_composed_config(lightfleet):
     done = lightfleet("--cfg", "job", "experiment=gpt_recompute_gradient_merge")
     assert done.returncode == 0, done.stderr
     assert "k_steps: 4" in done.stdout and "GPTDecoder" in done.stdout
+
+
+def test_help_answers_without_torch_lightning_or_hydra_and_lists_the_subcommands(tmp_path):
+    """In a fresh process: --help imports none of them, and takes a small share of `import torch`."""
+    script = ("import sys; from runner.command.cli import main; assert main(['--help']) == 0; "
+              "assert not {'torch', 'pytorch_lightning', 'hydra'} & set(sys.modules), sorted(sys.modules)")
+    helped = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert helped.returncode == 0, helped.stderr[-2000:]
+    for name in usage.SUBCOMMANDS:
+        assert f"\n  {name} " in helped.stdout
+    assert "\nstrategy: " in helped.stdout and "quickstart" in helped.stdout
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "runner", "--help"], capture_output=True, check=True, cwd=tmp_path)
+    help_s = time.perf_counter() - started
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, pytorch_lightning"], check=True)
+    assert help_s < 0.5 * (time.perf_counter() - started)
+
+
+@pytest.mark.parametrize("command", ["resume", "eval", "replay"])
+def test_each_run_dir_subcommand_has_its_help(lightfleet, command):
+    done = lightfleet(command, "--help")
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: lightfleet {command} RUN_DIR"), done.stderr
+
+
+def test_version_names_lightfleets_and_a_misspelt_subcommand_gets_did_you_mean(lightfleet):
+    version = lightfleet("--version")
+    assert version.returncode == 0 and version.stdout.startswith("lightfleet 0.") and "torch " in version.stdout
+    typo = lightfleet("reprot")
+    assert typo.returncode == 2 and "did you mean report?" in typo.stderr and len(typo.stderr.splitlines()) == 1
