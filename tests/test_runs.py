@@ -46,6 +46,7 @@ def test_single_process_run_learns(lightfleet, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = assert_run_dir(tmp_path / "run", ranks=1)
     assert results["global_step"] == 60 and results["val_acc"] > 0.6
+    assert f"val_loss {results['val_loss']:.4g} (at step {results['val_step']})" in done.stdout  # validated at 30
     assert read(tmp_path / "run" / "config.yaml")["paths"]["output_dir"] == str(tmp_path / "run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 

@@ -166,7 +166,12 @@ def summary_line(results: Dict[str, Any], seconds: float) -> str:
         parts.append(f"peak memory {results['peak_memory_mb']:,.0f} MB")
     if results.get("data_wait_fraction") is not None:
         parts.append(f"waiting for data {results['data_wait_fraction']:.0%} of the step time")
-    parts += [f"{name} {results[name]:.4g}" for name in ("train_loss", "val_loss") if name in results]
+    if "train_loss" in results:
+        parts.append(f"train_loss {results['train_loss']:.4g}")
+    if "val_loss" in results:  # from the last validation, which need not be at the last step
+        step = results.get("val_step")
+        at = f" (at step {step})" if step not in (None, results["global_step"]) else ""
+        parts.append(f"val_loss {results['val_loss']:.4g}{at}")
     return ", ".join(parts)
 
 

@@ -183,6 +183,7 @@ def plan_for(spec: RunSpec) -> Plan:
     measure = OmegaConf.to_object(spec.cfg.measure)
     runner_callbacks = Contribution(callbacks=[
         *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
+        Component("runner.rank.measure:LastValidation"),  # the step of the summary's val_loss
         Component("runner.rank.preemption:Preemption"),  # checkpoints/last.ckpt at a preemption signal
         Component("plugins.resume:RandomStates"), Component("plugins.resume:EpochEndPosition"),  # exact resumes
         *([Component("plugins.progress:StepsProgressBar")] if shows_own_progress_bar(spec) else [])])

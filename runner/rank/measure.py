@@ -119,6 +119,19 @@ class RankFigures:
     peak_reserved_mb: Optional[float]
 
 
+class LastValidation(pl.Callback):
+    """The global step of fit's last validation (a sanity check is none): the step the run's
+    val_* figures come from, which is not the last step unless validation ran there."""
+
+    def __init__(self) -> None:
+        self.step: Optional[int] = None
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self.step = trainer.global_step
+
+
 class RunMeter(pl.Callback):
     """Measures optimizer-step time, samples, tokens and peak memory on every rank; logs them
     every `log_every_n_steps` (samples/s and tokens/s in the progress bar) and leaves the run's

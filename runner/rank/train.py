@@ -76,6 +76,7 @@ def train(cfg: DictConfig, plan: Plan, records: Path) -> Dict[str, Any]:
     from pytorch_lightning.utilities.model_helpers import is_overridden
 
     from runner.rank.build import build
+    from runner.rank.measure import LastValidation
 
     log_to_job_log(records, cfg.verbose)  # once torch and Lightning, which set up their own logging, are imported
     run_dir = Path(cfg.paths.output_dir)
@@ -90,6 +91,9 @@ def train(cfg: DictConfig, plan: Plan, records: Path) -> Dict[str, Any]:
         trainer.fit(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
         save_last_checkpoint(trainer)
     results = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    validated = next((callback.step for callback in trainer.callbacks if isinstance(callback, LastValidation)), None)
+    if validated is not None and any(name.startswith("val_") for name in results):
+        results["val_step"] = validated
     if cfg.test:  # the weights fit ended with, or ckpt_path's
         trainer.test(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path if cfg.evaluate else None)
         results.update((name, float(value)) for name, value in trainer.callback_metrics.items())

@@ -210,3 +210,11 @@ def test_a_slow_loader_raises_the_wait_for_data_and_the_summary_says_so(lightfle
     # A loaded machine slows the steps too, so the rise is asserted, not a level.
     assert fractions["slow"] > max(0.2, 3 * fractions["classification"])
     assert "(data.num_workers, now 0)" in done.stdout  # the knob that helps, for the slow data
+
+
+def test_the_summary_names_the_step_of_an_earlier_validation():
+    from runner.command.job import summary_line
+
+    ran = {"global_step": 60, "train_loss": 0.2, "val_loss": 0.304, "val_step": 30}
+    assert summary_line(ran, 5.0).endswith("train_loss 0.2, val_loss 0.304 (at step 30)")
+    assert summary_line({**ran, "val_step": 60}, 5.0).endswith("val_loss 0.304")
