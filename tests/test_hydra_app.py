@@ -4,6 +4,7 @@ launchers (joblib, submitit's local executor) running 2-process jobs, and the Op
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -304,3 +305,20 @@ def test_test_stage_eval_and_replay_write_new_directories(lightfleet, tmp_path):
     in_place = subprocess.run([sys.executable, "-m", "runner.train", "first"], cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
     assert in_place.returncode == 2 and "`lightfleet replay first` runs it again in a new directory" in in_place.stderr
+
+
+def test_resume_says_where_it_continues_counts_its_own_steps_and_refuses_a_finished_run(lightfleet, tmp_path):
+    quick = ("experiment=quickstart", "trainer.enable_progress_bar=false", "trainer.max_steps=20")
+    assert lightfleet(*quick, "hydra.run.dir=first").returncode == 0
+    finished = lightfleet("resume", "first")
+    assert finished.returncode == 2 and finished.stderr.splitlines() == [
+        f"lightfleet: error: trainer.max_steps=20: ckpt_path {tmp_path / 'first' / 'checkpoints' / 'last.ckpt'} was "
+        f"saved at step 20: nothing is left to train; raise it (e.g. trainer.max_steps=40)"]
+    done = lightfleet("resume", "first", "trainer.max_steps=30", "hydra.run.dir=more")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"lightfleet: continuing from step 20 (checkpoint {tmp_path / 'first' / 'checkpoints' / 'last.ckpt'})" \
+        in done.stdout
+    assert "lightfleet: done: 10 steps (steps 21 to 30) in " in done.stdout
+    evaluated = lightfleet("eval", "more", "hydra.run.dir=evaluated")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert re.search(r"lightfleet: evaluated: val_acc [0-9.]+, val_loss [0-9.]+; run directory ", evaluated.stdout)

@@ -110,6 +110,10 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     create_run_dir(spec.cfg, plan, command, records)
     run_dir = Path(spec.cfg.paths.output_dir)
     say(f"{format_plan(plan, everything=False)}\nlightfleet: run directory {run_dir}")
+    first_step = checkpoint_step(spec.cfg.ckpt_path)
+    if first_step is not None:
+        say(f"lightfleet: {'evaluating' if spec.cfg.evaluate else 'continuing from'} step {first_step} "
+            f"(checkpoint {spec.cfg.ckpt_path})")
     started = time.monotonic()
     try:
         launcher.run(records, World(**plan.world))
@@ -136,8 +140,11 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
         record_failure(records, 2 if isinstance(error, ConfigError) else 1, error_line(error))
         raise
     ending = files.job_ending(run_dir)
-    if ending.outcome == files.FINISHED:  # rank 0's results; a second node's copy of the command has none
-        say(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started)}; run directory {run_dir}")
+    if ending.outcome == files.FINISHED and spec.cfg.evaluate:
+        say(f"lightfleet: evaluated: {metrics_line(ending.record)}; run directory {run_dir}")
+    elif ending.outcome == files.FINISHED:  # rank 0's results; a second node's copy of the command has none
+        say(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started, first_step or 0)}; "
+            f"run directory {run_dir}")
         note = input_bound_note(ending.record, spec.cfg.data)
         if note:
             say(note)
@@ -154,9 +161,25 @@ def preempted(records: Path, run_dir: Path, signum: int, step: Optional[int] = N
     return exit_status(signum)
 
 
-def summary_line(results: Dict[str, Any], seconds: float) -> str:
-    """Steps, wall time, throughput, peak memory (max over ranks) and final losses of a finished run."""
-    parts = [f"{results['global_step']} steps in {results.get('wall_s', seconds):.1f} s"]
+def checkpoint_step(ckpt_path: Optional[str]) -> Optional[int]:
+    from runner.records.run_dir import checkpoint_contents
+
+    return None if ckpt_path is None else checkpoint_contents(Path(ckpt_path)).step
+
+
+def metrics_line(results: Dict[str, Any]) -> str:
+    """An evaluation's figures: every validation and test metric."""
+    shown = [f"{name} {value:.4g}" for name, value in sorted(results.items())
+             if name.startswith(("val_", "test_")) and name != "val_step" and isinstance(value, float)]
+    return ", ".join(shown) or "no val_ or test_ metric logged"
+
+
+def summary_line(results: Dict[str, Any], seconds: float, first_step: int = 0) -> str:
+    """Steps (those this run trained, from `first_step` when it resumed), wall time, throughput,
+    peak memory (max over ranks) and final losses of a finished run."""
+    last = results["global_step"]
+    trained = f"{last - first_step} steps (steps {first_step + 1} to {last})" if first_step else f"{last} steps"
+    parts = [f"{trained} in {results.get('wall_s', seconds):.1f} s"]
     if results.get("samples_per_s"):
         tokens = f" ({results['tokens_per_s']:,.0f} tokens/s)" if results.get("tokens_per_s") else ""
         parts.append(f"{results['samples_per_s']:,.1f} samples/s{tokens}")

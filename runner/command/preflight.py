@@ -149,7 +149,7 @@ def plan_on_the_model(flight: Flight) -> None:
 def checkpoint(flight: Flight) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.records.run_dir import check_weights_fit, find_checkpoint
+    from runner.records.run_dir import check_weights_fit, checkpoint_contents, find_checkpoint
 
     run = flight.spec.cfg
     if run.ckpt_path is not None:  # relative to where the command ran, also after hydra.job.chdir
@@ -157,6 +157,10 @@ def checkpoint(flight: Flight) -> None:
         if flight.model is not None:
             check_weights_fit(path, flight.model)
         run.ckpt_path = str(path)
+        saved, steps = checkpoint_contents(path).step, run.trainer.max_steps
+        require(run.evaluate or steps is None or steps < 0 or saved < steps, "trainer.max_steps", steps,
+                f"ckpt_path {path} was saved at step {saved}: nothing is left to train; raise it "
+                f"(e.g. trainer.max_steps={2 * max(saved, 1)})")
 
 
 def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:
@@ -224,7 +228,8 @@ STAGES = (
           "split points, blocks enough for the stages and a loss()), its optimizer replacement (the optimizer "
           "family lars, lamb and dgc need) and the model's optimizer's own arguments (a negative learning rate) on the meta-device model", plan_on_the_model),
     Stage("checkpoint", "ckpt_path exists and its weights fit the meta-device model (`last`: the newest "
-          "last.ckpt of the same experiment and model under paths.root_dir, named in one line)", checkpoint),
+          "last.ckpt of the same experiment and model under paths.root_dir, named in one line); unless "
+          "evaluating, its step is below trainer.max_steps (a finished run resumed trains nothing)", checkpoint),
     Stage("directories", "the run or sweep directory: named, writable, not a file, not inside a run, not "
           "holding a run or sweep; a checkpoint callback's dirpath not a file; reserved (a clock-named one "
           "taken gets a suffix)", run_directory, per_job=False),

@@ -14,7 +14,7 @@ from runner.core.errors import ConfigError
 
 # Each subcommand: its arguments, and what it does.
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
-    "resume": ("RUN_DIR [KEY=VALUE ...]", "continue a stopped run from its last checkpoint, in its directory"),
+    "resume": ("RUN_DIR [KEY=VALUE ...]", "continue a run from its last checkpoint, into a new directory"),
     "eval": ("RUN_DIR [KEY=VALUE ...]", "evaluate a run's last checkpoint on the validation data (test=true: and test)"),
     "replay": ("RUN_DIR [KEY=VALUE ...]", "train again from the config a run saved, into a new directory"),
     "report": ("[PATH ...]", "compare runs and sweeps: report.md, report.csv and plots"),
@@ -24,9 +24,10 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
 }
 # The subcommands whose --help is this module's (the others parse their own arguments).
 RUN_DIR_HELP = {
-    "resume": "Continue the run in RUN_DIR from RUN_DIR/checkpoints/last.ckpt, with the config it saved "
-              "(overrides after it change it, e.g. trainer.max_steps=2000 to train longer). A run stopped "
-              "before its first checkpoint starts again from its config.",
+    "resume": "Continue the run in RUN_DIR from RUN_DIR/checkpoints/last.ckpt, with the config it saved, "
+              "into a new run directory (overrides after it change it, e.g. trainer.max_steps=2000 to train "
+              "longer: a finished run has nothing left to train). A run stopped before its first checkpoint "
+              "starts again from its config.",
     "eval": "Evaluate the last checkpoint of the run in RUN_DIR with the config it saved, on the validation "
             "data, and on the test data too with test=true; nothing is trained. Without RUN_DIR: "
             "evaluate=true on the config the overrides compose (ckpt_path=PATH names the weights).",
