@@ -251,6 +251,9 @@ def test_under_torchrun_lightfleet_starts_no_process(tmp_path):
     logged = (done.stdout + done.stderr).splitlines()  # each rank runs the command: Hydra's job logging
     members = sorted(line.split("MEMBER: ")[1] for line in logged if "MEMBER: " in line)
     assert members == ["1/2", "2/2"]
+    # rank 0 speaks for the run; rank 1 keeps its lines in its own log
+    assert [line.startswith("lightfleet: done:") for line in logged].count(True) == 1
+    assert logged.count("strategies: amp") == 1 and "strategies: amp" in (run / "ranks" / "1" / "lightfleet.log").read_text()
 
 
 def test_pipeline_checkpoint_from_every_stage_exports_to_one_plain_file(lightfleet, tmp_path):

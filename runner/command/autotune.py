@@ -110,6 +110,9 @@ def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: P
     started, tried = time.monotonic(), 0
     pending = [(number, c) for number, c in enumerate(listed) if c.status == "candidate"]
     total = len(pending)
+    most = f", at most {auto.max_trials} trials (strategy.auto.max_trials)" if auto.max_trials else ""
+    print(f"auto: {total} candidates fit; trials of {auto.trial_steps} steps for up to {auto.budget_s:g} s "
+          f"(strategy.auto.budget_s){most}", flush=True)
     while pending:
         done = [c for c in listed if c.status == "ok"]
         pending.sort(key=lambda item: trial_order(item[1], done, facts))
@@ -118,6 +121,8 @@ def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: P
             c.status, c.reason = "not tried", "budget spent"
             continue
         tried += 1
+        print(f"auto: trial {tried}/{total} {c.label}: starting ({time.monotonic() - started:.0f} s of the budget "
+              f"spent)", flush=True)
         run_trial(spec, c, auto, auto_dir / TRIALS_DIR / str(number), command)
         figures = f"{c.measured['samples_per_s']:,.1f} samples/s" if c.status == "ok" else f"{c.status}: {c.reason}"
         print(f"auto: trial {tried}/{total} {c.label}: {figures}", flush=True)

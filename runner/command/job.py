@@ -29,7 +29,7 @@ from runner.core.plan import Plan, format_plan
 from runner.core.clock import mark_start
 from runner.records import files
 from runner.records.run_dir import create_run_dir, record_failure, records_subdir, write_yaml
-from runner.core.world import World
+from runner.core.world import World, external_rank
 from runner.rank.parent import INTERRUPTED, STOPPED, exit_status
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,11 @@ def input_bound_note(results: Dict[str, Any], data: Any) -> Optional[str]:
 
 
 def say(text: str, stream: Optional[TextIO] = None) -> None:
-    """Print the job's own line(s) (on stdout unless `stream`) and keep them in the job's log file (lightfleet.log)."""
-    print(text, file=stream or sys.stdout, flush=True)
+    """Print the job's own line(s) (on stdout unless `stream`) and keep them in the job's log file
+    (lightfleet.log). Under torchrun or SLURM, where every rank runs the command, rank 0 speaks
+    for the run on the console; the others keep their lines in their own log."""
+    if external_rank() == 0:
+        print(text, file=stream or sys.stdout, flush=True)
     record = log.makeRecord(log.name, logging.INFO, __file__, 0, text, (), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):

@@ -103,6 +103,11 @@ def launched_externally() -> bool:
     return any(var in os.environ for var in EXTERNAL_LAUNCH_VARS)
 
 
+def external_rank() -> int:
+    """This process's rank under torchrun or SLURM (0 when lightfleet launches the ranks)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) if launched_externally() else 0
+
+
 def check_multi_node(world: World) -> None:
     """Fail before spawning when a multi-node run lacks its rendezvous address."""
     if world.num_nodes > 1 and not launched_externally():

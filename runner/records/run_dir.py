@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.config.compat import PROJECT_ROOT
 from runner.core.errors import ConfigError, error_line, require
 from runner.core.plan import Plan, format_plan
-from runner.core.world import World, launched_externally
+from runner.core.world import World, external_rank, launched_externally
 from runner.records.files import (CONFIG_YAML, ENV_YAML, FAILED, FAILURE_YAML, LAST_CHECKPOINT, MULTIRUN_YAML,
                                   NODES_DIR, PLAN_YAML, RANKS_DIR, failure_outcome)
 
@@ -179,7 +179,7 @@ def records_subdir(world: World) -> str:
     itself, the others `nodes/<NODE_RANK>/` or `ranks/<RANK>/`, so no two write one file.
     """
     if launched_externally():
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        rank = external_rank()
         return f"{RANKS_DIR}/{rank}" if rank else ""
     if world.num_nodes > 1 and int(os.environ["NODE_RANK"]):
         return f"{NODES_DIR}/{os.environ['NODE_RANK']}"
