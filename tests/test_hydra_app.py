@@ -157,6 +157,9 @@ def test_optuna_sweep_of_three_trials(lightfleet, tmp_path):
                       "data.batch_size=choice(32,64)", "model.hidden_dim=range(16,48,16)",
                       "optimized_metric=val_loss", "paths.sweep_dir=sweep", *QUICK, "trainer.val_check_interval=6")
     assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    assert "\x1b[" not in console and "A new study created" not in console  # Optuna's chatter: for terminals
+    assert [line.startswith("lightfleet: job ") for line in console.splitlines()].count(True) == 3  # each once
     sweep = tmp_path / "sweep"
     losses = {}
     for number in range(3):

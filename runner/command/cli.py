@@ -142,6 +142,10 @@ def run_app(args: List[str]) -> int:
         sweep_dir = directory if parsed.multirun else None
     elif not (parsed.hydra_help or parsed.shell_completion):
         preflight.compose(parsed.overrides, parsed.config_dir, config_name)  # errors in one line
+    if "hydra/sweeper=optuna" in parsed.overrides and not sys.stdout.isatty():
+        import optuna
+
+        optuna.logging.disable_default_handler()  # its coloured set-up lines are for terminals
     GlobalHydra.instance().clear()
     try:
         _run_hydra(args=parsed, args_parser=parser, task_function=run_job, config_path=str(CONF_DIR),
