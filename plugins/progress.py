@@ -8,7 +8,7 @@ conf/callbacks/rich_progress_bar.yaml brings `RichStepsProgressBar`. Neither sho
 
 In a run of several processes, each line a rank writes reaches the console as a line of its own
 ("[rank0]:..."), so a bar would print a line per refresh. There `StepsProgressBar` draws into
-`ProgressRelay`, a file holding its latest line (RELAY_ENV names it), and the command draws that
+`ProgressRelay`, a file holding its latest line (PROGRESS_LINE_ENV names it), and the command draws that
 line in place (runner/command/console.py).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
-from runner.command.console import RELAY_ENV
+from runner.records.files import PROGRESS_LINE_ENV
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -84,11 +84,11 @@ class ProgressRelay:
 
 class StepsProgressBar(_CountsSteps, TQDMProgressBar):
     """Lightning's default (tqdm) bar, counting steps where steps bound the run; into a
-    ProgressRelay where the command draws it (RELAY_ENV)."""
+    ProgressRelay where the command draws it (PROGRESS_LINE_ENV)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        relay = os.environ.get(RELAY_ENV)
+        relay = os.environ.get(PROGRESS_LINE_ENV)
         self.relay = ProgressRelay(Path(relay)) if relay else None
 
     def _drawn(self, make: Any) -> Any:

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Iterator, TextIO
 
-RELAY_ENV = "LIGHTFLEET_PROGRESS_LINE"  # set by the command for its ranks: the file rank 0's bar goes to
 POLL_S = 0.1
 PLAIN_EVERY_S = 30.0
 

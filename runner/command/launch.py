@@ -18,11 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from runner.command.console import RELAY_ENV, progress_in_place
+from runner.command.console import progress_in_place
 from runner.core.errors import ConfigError, exit_on_user_error
 from runner.config.schema import TrainerConfig
 from runner.rank.parent import COMMAND_PID
-from runner.records.files import LOGS_DIR, PROGRESS_LINE
+from runner.records.files import LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
 from runner.records.run_dir import read_plan
 from runner.core.world import World, launched_externally
 
@@ -121,12 +121,12 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
         **rendezvous,
     )
     os.environ[COMMAND_PID] = str(os.getpid())  # the ranks' tie to this process (runner/rank/parent.py)
-    os.environ[RELAY_ENV] = str(records / PROGRESS_LINE)  # rank 0's bar, drawn here in place
+    os.environ[PROGRESS_LINE_ENV] = str(records / PROGRESS_LINE)  # rank 0's bar, drawn here in place
     try:
         with progress_in_place(records / PROGRESS_LINE):
             elastic_launch(config, sys.executable)("-m", "runner.train", str(records))
     finally:
-        del os.environ[COMMAND_PID], os.environ[RELAY_ENV]  # for the ranks only: not for a later job run here
+        del os.environ[COMMAND_PID], os.environ[PROGRESS_LINE_ENV]  # for the ranks only: not for a later job run here
 
 
 if __name__ == "__main__":  # `python -m runner.command.launch RUN_DIR`: a run already recorded (auto's trials)

@@ -23,6 +23,7 @@ METRICS_CSV = "csv/metrics.csv"  # the CSV logger's (conf/logger/csv.yaml)
 LAST_CHECKPOINT = "checkpoints/last.ckpt"  # ModelCheckpoint's save_last (conf/callbacks/model_checkpoint.yaml)
 LOGS_DIR = "logs"  # torchelastic's per-rank stdout/stderr, and the ranks' tracebacks
 PROGRESS_LINE = "logs/progress.line"  # rank 0's progress bar as its latest line, which the command draws in place
+PROGRESS_LINE_ENV = "LIGHTFLEET_PROGRESS_LINE"  # set by the command for its ranks: the path of PROGRESS_LINE
 JOB_LOG = "lightfleet.log"  # the job's log: Hydra's (hydra.job.name), and every rank's records and warnings
 NODES_DIR = "nodes"  # nodes/<NODE_RANK>/: a second node's copy of the command keeps its records there
 RANKS_DIR = "ranks"  # ranks/<RANK>/: the same for a rank launched by torchrun or SLURM
