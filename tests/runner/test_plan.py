@@ -194,7 +194,8 @@ def test_the_saved_plan_reads_back_as_the_same_plan():
 
 # --------------------------------------------------------------------------- lightfleet's own contributions
 
-RUNNER_CALLBACKS = ["runner.rank.measure:RunMeter", "runner.rank.preemption:Preemption", "plugins.resume:RandomStates",
+RUNNER_CALLBACKS = ["runner.rank.measure:RunMeter", "runner.rank.measure:LastValidation",
+                    "runner.rank.preemption:Preemption", "plugins.resume:RandomStates",
                     "plugins.resume:EpochEndPosition", "plugins.progress:StepsProgressBar"]
 EVERY_COLLECTIVE_MECHANISM = ["trainer.devices=2", "collective.build_strategy.fuse_bn_act_ops=true",
                               "collective.build_strategy.fuse_all_optimizer_ops=true", "collective.fuse_grad_size_in_MB=8",
