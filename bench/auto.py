@@ -229,9 +229,10 @@ def main() -> None:
         confirmed = confirm(args, auto, figures["best"], Path(tmp) / "confirm")
     print(report(figures, table, confirmed))
     results = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-               "settings": {key: (str(value) if isinstance(value, Path) else value)
+               "settings": {key: (str(value.relative_to(ROOT)) if isinstance(value, Path) and value.is_relative_to(ROOT)
+                                  else str(value) if isinstance(value, Path) else value)
                             for key, value in vars(args).items()},
-               "model": GPT, "auto_overrides": auto["command"][3:], "memory_limit": limit, "figures": figures,
+               "model": GPT, "auto_overrides": [arg for arg in auto["command"][3:] if not arg.startswith("paths.")], "memory_limit": limit, "figures": figures,
                "confirmed": confirmed,
                "table": table, "auto_candidates": auto["rows"]}
     args.out.write_text(json.dumps(results, indent=2) + "\n")
