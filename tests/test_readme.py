@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 from data_files import bpe_tokenizer, documents, image_folder
+from test_hydra_app import USER_MODEL
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SHORT = ["trainer.max_steps=2", "trainer.enable_progress_bar=false"]
@@ -20,50 +21,6 @@ SHRUNK = {
     "experiment=resnet50_fleet_collective": ["model.arch=resnet18", "data.image_size=32", "data.batch_size=4",
                                              "data.num_workers=0", "model.warmup_steps=1", "trainer.devices=1"],
 }
-USER_MODEL = '''
-import torch
-from torch import nn
-import pytorch_lightning as pl
-
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.inner = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU())
-
-    def forward(self, x):
-        return x + self.inner(x)
-
-
-class TheirNet(pl.LightningModule):
-    def __init__(self, width=32, depth=3):
-        super().__init__()
-        self.stem = nn.Linear(32, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def loss(self, outputs, targets):
-        return nn.functional.cross_entropy(outputs, targets)
-
-    def training_step(self, batch, batch_idx):
-        loss = self.loss(self(batch[0]), batch[1])
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(self(batch[0]), batch[1]))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-'''
-
-
 def readme_commands() -> list[str]:
     """The `lightfleet` lines of the README's bash blocks, comments cut off, in order."""
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
@@ -92,7 +49,7 @@ def newcomers_files(folder: Path) -> None:
     bpe_tokenizer(folder / "tokenizer.json", texts)
     image_folder(folder / "imagenet", per_class=8)
     (folder / "mypackage.py").write_text(USER_MODEL)
-    for group, body in (("model", "_target_: mypackage.TheirNet\nwidth: 32\n"),
+    for group, body in (("model", "_target_: mypackage.UserNet\nwidth: 32\n"),
                         ("data", "_target_: runner.data.SyntheticClassificationData\ninput_shape: [32]\n"
                                  "num_classes: 4\nbatch_size: 16\n")):
         (folder / "my_configs" / group).mkdir(parents=True)

@@ -35,11 +35,12 @@ from runner.rank.parent import INTERRUPTED, STOPPED, exit_status
 log = logging.getLogger(__name__)
 
 
-def prepare(cfg: DictConfig, command: Sequence[str]) -> Tuple[RunSpec, Plan]:
-    """The job's checked config and plan: from the command's preflight when it checked this job,
-    else from running the job stages now (a job an optimising sweeper chose)."""
+def prepare(cfg: DictConfig, command: Sequence[str]) -> Tuple[RunSpec, Plan, Optional[int]]:
+    """The job's checked config and plan, and the step its ckpt_path was saved at: from the
+    command's preflight when it checked this job, else from running the job stages now (a job an
+    optimising sweeper chose)."""
     flight = checked_job(cfg, command)
-    return flight.spec, flight.plan
+    return flight.spec, flight.plan, flight.start_step
 
 
 def run_job(cfg: DictConfig) -> Optional[float]:
@@ -48,14 +49,14 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     command = list(hydra.overrides.task)
     if hydra.mode != RunMode.MULTIRUN:
         with exit_on_user_error():
-            spec, plan = prepare(cfg, command)
+            spec, plan, start_step = prepare(cfg, command)
             # paths.output_dir records the directory Hydra runs in (it may have been named by
             # hydra.run.dir); a second node or rank keeps its records in a subdirectory of it.
             depth = len(Path(records_subdir(World(**plan.world))).parts)
             spec.cfg.paths.output_dir = str(records.parents[depth - 1] if depth else records)
             spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
             try:
-                code = launch(spec, plan, command, records)
+                code = launch(spec, plan, command, records, start_step)
             except (ConfigError, Refusal):
                 raise
             except Exception as error:  # the user's code failed in this process: one line, the rest in the log
@@ -67,7 +68,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
                 sys.exit(code)
             return objective(spec, records)
     try:
-        spec, plan = prepare(cfg, command)
+        spec, plan, start_step = prepare(cfg, command)
     except (ConfigError, Refusal) as problem:
         print(f"lightfleet: job {hydra.job.num} ({' '.join(command)}) skipped: {problem}", file=sys.stderr)
         shutil.rmtree(records)  # only Hydra's files: the job never started; it leaves its reason
@@ -79,7 +80,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     print(f"lightfleet: job {hydra.job.num}: {' '.join(command)}", flush=True)
     mark_start()  # the job's start-up time counts from here, not from the sweep's start
     try:
-        code = launch(spec, plan, command, records)
+        code = launch(spec, plan, command, records, start_step)
         if code in STOPPED:  # the sweep stops with its job, as a run does
             sys.exit(code)
         return objective(spec, records) if code == 0 else no_result()
@@ -91,8 +92,9 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     return no_result()
 
 
-def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> int:
-    """Record the run in `records` and train; a failed rank becomes one line naming its log."""
+def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, start_step: Optional[int]) -> int:
+    """Record the run in `records` and train (from `start_step`, ckpt_path's, if any); a failed
+    rank becomes one line naming its log."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -110,9 +112,8 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     create_run_dir(spec.cfg, plan, command, records)
     run_dir = Path(spec.cfg.paths.output_dir)
     say(f"{format_plan(plan, everything=False)}\nlightfleet: run directory {run_dir}")
-    first_step = checkpoint_step(spec.cfg.ckpt_path)
-    if first_step is not None:
-        say(f"lightfleet: {'evaluating' if spec.cfg.evaluate else 'continuing from'} step {first_step} "
+    if start_step is not None:
+        say(f"lightfleet: {'evaluating' if spec.cfg.evaluate else 'continuing from'} step {start_step} "
             f"(checkpoint {spec.cfg.ckpt_path})")
     started = time.monotonic()
     try:
@@ -143,7 +144,7 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path) -> 
     if ending.outcome == files.FINISHED and spec.cfg.evaluate:
         say(f"lightfleet: evaluated: {metrics_line(ending.record)}; run directory {run_dir}")
     elif ending.outcome == files.FINISHED:  # rank 0's results; a second node's copy of the command has none
-        say(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started, first_step or 0)}; "
+        say(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started, start_step or 0)}; "
             f"run directory {run_dir}")
         note = input_bound_note(ending.record, spec.cfg.data)
         if note:
@@ -159,12 +160,6 @@ def preempted(records: Path, run_dir: Path, signum: int, step: Optional[int] = N
     say(line, sys.stderr)
     record_failure(records, exit_status(signum), line.removeprefix("lightfleet: "), status=files.PREEMPTED)
     return exit_status(signum)
-
-
-def checkpoint_step(ckpt_path: Optional[str]) -> Optional[int]:
-    from runner.records.run_dir import checkpoint_contents
-
-    return None if ckpt_path is None else checkpoint_contents(Path(ckpt_path)).step
 
 
 def metrics_line(results: Dict[str, Any]) -> str:

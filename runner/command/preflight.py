@@ -39,6 +39,7 @@ class Flight:
     model: Any = None  # the user's model built on the meta device (None: its constructor needs real tensors)
     datamodule: Any = None  # the user's data module (None: its constructor needs real tensors)
     model_builds: int = 0  # how often this job built the model on the meta device (tests count it)
+    start_step: Optional[int] = None  # the step ckpt_path was saved at (None: no ckpt_path)
 
 
 @dataclass(frozen=True)
@@ -154,13 +155,15 @@ def checkpoint(flight: Flight) -> None:
     run = flight.spec.cfg
     if run.ckpt_path is not None:  # relative to where the command ran, also after hydra.job.chdir
         path = find_checkpoint(run, Path(HydraConfig.get().runtime.cwd))
+        contents = checkpoint_contents(path)
         if flight.model is not None:
-            check_weights_fit(path, flight.model)
+            check_weights_fit(path, contents, flight.model)
         run.ckpt_path = str(path)
-        saved, steps = checkpoint_contents(path).step, run.trainer.max_steps
+        saved, steps = contents.step, run.trainer.max_steps
         require(run.evaluate or steps is None or steps < 0 or saved < steps, "trainer.max_steps", steps,
                 f"ckpt_path {path} was saved at step {saved}: nothing is left to train; raise it "
                 f"(e.g. trainer.max_steps={2 * max(saved, 1)})")
+        flight.start_step = saved
 
 
 def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:

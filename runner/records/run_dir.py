@@ -143,8 +143,8 @@ def checkpoint_contents(checkpoint: Path) -> CheckpointContents:
                           f"({error_line(error)})") from None
 
 
-def check_weights_fit(checkpoint: Path, model: Any) -> None:
-    """Refuse a checkpoint whose weights do not fit `model` (the user's LightningModule built on
+def check_weights_fit(checkpoint: Path, contents: CheckpointContents, model: Any) -> None:
+    """Refuse a checkpoint (holding `contents`) whose weights do not fit `model` (the user's LightningModule built on
     the meta device), in one line naming the checkpoint and the first keys that differ, instead
     of Lightning's error in every rank. A model that makes its layers in `configure_model` has
     not made them yet: the ranks check that one."""
@@ -152,7 +152,7 @@ def check_weights_fit(checkpoint: Path, model: Any) -> None:
 
     if is_overridden("configure_model", model):
         return
-    held = checkpoint_contents(checkpoint).weights
+    held = contents.weights
     wanted = {key: tuple(value.shape) if hasattr(value, "shape") else None for key, value in model.state_dict().items()}
     differences = {"missing": [key for key in wanted if key not in held],
                    "unexpected": [key for key in held if key not in wanted]}

@@ -17,7 +17,7 @@ from pytorch_lightning import LightningModule
 from runner.config.compose import compose_config
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
-from runner.records.run_dir import check_weights_fit, find_checkpoint, reserve_dir
+from runner.records.run_dir import check_weights_fit, checkpoint_contents, find_checkpoint, reserve_dir
 
 
 def reserve(*overrides: str, sweep: bool = False):
@@ -95,9 +95,9 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_naming_it_and_the_f
     checkpoint = saved_run(tmp_path / "run", "default", MLPClassifier(), step=3, age_s=0)
     with torch.device("meta"):  # as the preflight builds the model
         same, narrower, gpt = MLPClassifier(), MLPClassifier(hidden_dim=32, num_blocks=1), GPTDecoder()
-    check_weights_fit(checkpoint, same)
+    check_weights_fit(checkpoint, checkpoint_contents(checkpoint), same)
     with pytest.raises(ConfigError) as refused:
-        check_weights_fit(checkpoint, gpt)
+        check_weights_fit(checkpoint, checkpoint_contents(checkpoint), gpt)
     gpt_keys, mlp_keys = list(gpt.state_dict()), list(same.state_dict())
     assert str(refused.value) == (
         f"ckpt_path='{checkpoint}': its weights do not fit the model (GPTDecoder): "
@@ -106,7 +106,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_naming_it_and_the_f
     with pytest.raises(ConfigError, match=r"\(MLPClassifier\): unexpected: blocks.1.net.0.weight, blocks.1.net.0.bias, "
                                           r"blocks.1.net.1.weight \(\+9 more\); other shapes: stem.weight \[64, 32\] "
                                           r"\(model \[32, 32\]\), stem.bias \[64\] \(model \[32\]\), "):
-        check_weights_fit(checkpoint, narrower)
+        check_weights_fit(checkpoint, checkpoint_contents(checkpoint), narrower)
 
 
 def test_the_command_says_which_run_it_continues_and_refuses_a_checkpoint_of_another_model(lightfleet, tmp_path):
