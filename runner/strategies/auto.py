@@ -45,7 +45,8 @@ class AutoConfig(Strategy):
     trial_steps: int = 20
     """search: optimizer steps per trial; the first measure.warmup_steps are not measured."""
     max_trials: Optional[int] = None
-    """search: at most this many trials (null: as many as the budget allows)."""
+    """search: at most this many candidates tried (null: as many as the budget allows); a top two
+    within 5% of each other run once more besides."""
     allow_numerics_change: bool = False
     """Also consider the strategies that change the mathematics of training (lars, lamb, dgc,
     localsgd, adaptive_localsgd, fp16_allreduce), as Fleet's auto does silently."""
