@@ -18,11 +18,15 @@ optimizer states, and saved activations: what autograd saves for backward (saved
 and still holds, plus, while recompute rebuilds a block in backward, what that block's forward
 made and still holds. Each kind's peak is the largest value seen at any saved-tensor pack or
 unpack, at the end of every module's forward, before the optimizer step and after it, over the
-first optimizer step (all its micro-batches). The busiest rank's peak is the one reported.
+first optimizer step (all its micro-batches); a rebuild runs its block's whole forward (checkpoint's
+early stop off: it would end the rebuild inside the block, once all the block saves is rebuilt,
+before the block's forward ends, where the rebuild is counted; what is saved is the same). The
+busiest rank's peak is the one reported.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -160,14 +164,17 @@ class PeakMemory(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer = trainer
-        for module in pl_module.modules():
+        # The pipeline's traced stages run copies of the model's modules (recompute's wrappers among them).
+        stages = [stage.submod for stage in getattr(trainer.strategy, "stages", [])]
+        for module in {id(m): m for root in (pl_module, *stages) for m in root.modules()}.values():
             self.handles.append(module.register_forward_hook(lambda *_: self.sample()))
             if hasattr(module, "_checkpoint_wrapped_module"):  # recompute's wrapper: watch the rebuild in backward
                 inner = module._checkpoint_wrapped_module
                 self.handles += [inner.register_forward_pre_hook(lambda *_: self.start_rebuild()),
                                  inner.register_forward_hook(lambda *_: self.end_rebuild())]
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self.hooks.__enter__()
+        self.hooks = contextlib.ExitStack()
+        self.hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+        self.hooks.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
 
     def start_rebuild(self) -> None:
         if torch._C._current_graph_task_id() != -1:  # in backward: checkpoint recomputes the block
@@ -187,7 +194,7 @@ class PeakMemory(pl.Callback):
         if trainer.global_step < 1 or self.hooks is None:
             return
         self.sample(optimizer_states=True)
-        self.hooks.__exit__(None, None, None)
+        self.hooks.close()
         self.hooks = None
         for handle in self.handles:
             handle.remove()

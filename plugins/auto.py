@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from plugins.modules import repeated_block_list
-from runner.core.contribution import Facts
+from plugins.modules import float_buffer_modules, repeated_block_list
+from runner.core.contribution import SAVED_PARTS, SAVED_PRECISIONS, Facts
 
 
 def gather_facts(build_model: Callable[[], pl.LightningModule], datamodule: pl.LightningDataModule, *,
@@ -28,13 +28,12 @@ def gather_facts(build_model: Callable[[], pl.LightningModule], datamodule: pl.L
     per_node = max(1, world_size // num_nodes)
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = optimizer_family(model.configure_optimizers())
-    saved = saved_activations(model, first_batch(datamodule), list(blocks[1].children()) if blocks else [])
+    block_list = list(blocks[1].children()) if blocks else []
+    saved = saved_activations(model, first_batch(datamodule), block_list)
     return Facts(
-        parameters=parameters, optimizer=optimizer,
-        blocks=len(list(blocks[1].children())) if blocks else 0,
+        parameters=parameters, optimizer=optimizer, blocks=len(block_list),
         has_loss=callable(getattr(model, "loss", None)),
-        activation_bytes=saved.total, block_activation_bytes=saved.in_blocks, block_input_bytes=saved.block_inputs,
-        largest_block_bytes=saved.largest_block, amp_activation_bytes=saved.autocast_total,
+        activation_bytes=saved["float32"]["total"] if saved else 0, saved=saved,
         batch_size=batch_size, world_size=world_size, num_nodes=num_nodes, device=device,
         device_memory_bytes=(int(device_memory_gb * 2**30) if device_memory_gb else memory_per_process(device, per_node)),
         bf16=device != "cuda" or torch.cuda.is_bf16_supported())
@@ -64,49 +63,77 @@ def first_batch(datamodule: pl.LightningDataModule) -> Any:
 
 
 @dataclass
-class SavedActivations:
-    """Bytes of the distinct storages one training forward saves for backward (parameters left
-    out), and how recompute of the repeated blocks would change them."""
-
-    total: int = 0
-    in_blocks: int = 0  # saved inside the blocks and nowhere outside them
-    block_inputs: int = 0  # the blocks' inputs not saved outside them: what recompute keeps
-    largest_block: int = 0  # saved inside one block, its input left out: what recompute rebuilds at once
-    autocast_total: Optional[int] = None  # `total` of the same forward under 16-bit autocast
-
-
-@dataclass
 class SavedStorages:
     """Storage -> bytes of what one forward saves, split by where it was saved."""
 
     outside: Dict[int, int] = field(default_factory=dict)
+    head: Set[int] = field(default_factory=set)  # of `outside`: saved after a block had finished
     per_block: List[Dict[int, int]] = field(default_factory=list)
     inputs: Dict[int, int] = field(default_factory=dict)
 
-    def counted(self) -> SavedActivations:
+    def counted(self) -> Dict[str, int]:
+        """Bytes by part (Facts.saved's SAVED_PARTS)."""
         inside = {key: size for block in self.per_block for key, size in block.items() if key not in self.outside}
         rebuilt = [sum(size for key, size in block.items() if key not in self.outside and key not in self.inputs)
                    for block in self.per_block]
-        return SavedActivations(
-            total=sum(self.outside.values()) + sum(inside.values()), in_blocks=sum(inside.values()),
-            block_inputs=sum(size for key, size in self.inputs.items() if key not in self.outside),
-            largest_block=max(rebuilt, default=0))
+        return {"total": sum(self.outside.values()) + sum(inside.values()),
+                "head": sum(self.outside[key] for key in self.head), "in_blocks": sum(inside.values()),
+                "block_inputs": sum(size for key, size in self.inputs.items() if key not in self.outside),
+                "largest_block": max(rebuilt, default=0)}
 
 
-def saved_activations(model: nn.Module, batch: Any, blocks: List[nn.Module]) -> SavedActivations:
-    """What one training forward of `batch` saves for backward, in float32 and under bfloat16
-    autocast; all zero when the batch is not (inputs, targets) or the forward cannot run on fake
-    tensors (unknown). `model` (on the meta device) is made fake in place."""
+def saved_activations(model: nn.Module, batch: Any, blocks: List[nn.Module]) -> Optional[Dict[str, Dict[str, int]]]:
+    """What one training forward of `batch` saves for backward, by precision and part (Facts.saved),
+    with each part's bytes that do not shrink with the batch from a second forward of half the
+    batch; None when the batch is not (inputs, targets) or the forward cannot run on fake tensors
+    (unknown). `model` (on the meta device) is made fake in place, and 16-bit for the last precision."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    found = {}
     try:
         with mode:
             model.to_empty(device="cpu")
-            inputs, targets = (mode.from_tensor(part) if isinstance(part, torch.Tensor) else part for part in batch[:2])
-        saved = saved_storages(model, inputs, targets, blocks, mode, autocast=False).counted()
-        saved.autocast_total = saved_storages(model, inputs, targets, blocks, mode, autocast=True).counted().total
+            whole = tuple(mode.from_tensor(part) if isinstance(part, torch.Tensor) else part for part in batch[:2])
+        half = halved(*whole)
+        for precision in SAVED_PRECISIONS:
+            if precision == "autocast_16bit_parameters":
+                with mode:
+                    to_16_bits(model)
+            autocast = precision != "float32"
+            at_whole = saved_storages(model, *whole, blocks, mode, autocast).counted()
+            at_half = saved_storages(model, *half, blocks, mode, autocast).counted() if half else None
+            found[precision] = {**at_whole, **{f"{part}_fixed": fixed_part(at_whole[part], at_half and at_half[part])
+                                               for part in SAVED_PARTS}}
     except (TypeError, ValueError, RuntimeError, NotImplementedError):
-        return SavedActivations()
-    return saved
+        return None
+    return found
+
+
+def to_16_bits(model: nn.Module) -> None:
+    """The model as FSDP2 runs it under amp (plugins/sharding.py): parameters and floating inputs
+    in bfloat16; batch norm's parameters and inputs in float32, its output in bfloat16."""
+    kept = set(float_buffer_modules(model).values())
+    for module in model.modules():
+        if module not in kept:
+            for name, parameter in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(parameter.to(torch.bfloat16), parameter.requires_grad))
+    for module, dtype in ((model, torch.bfloat16), *((module, torch.float32) for module in kept)):
+        module.register_forward_pre_hook(lambda _, args, dtype=dtype: tuple(
+            arg.to(dtype) if isinstance(arg, torch.Tensor) and arg.is_floating_point() else arg for arg in args))
+    for module in kept:
+        module.register_forward_hook(lambda _, args, output: output.to(torch.bfloat16))
+
+
+def halved(inputs: Any, targets: Any) -> Optional[Tuple[Any, Any]]:
+    """The first half of a batch of tensors (None when it does not halve)."""
+    if not (isinstance(inputs, torch.Tensor) and inputs.dim() and inputs.shape[0] >= 2 and inputs.shape[0] % 2 == 0):
+        return None
+    size = inputs.shape[0] // 2  # copies: a slice would hold on to the whole batch's storage
+    return inputs[:size].clone(), targets[:size].clone() if isinstance(targets, torch.Tensor) else targets
+
+
+def fixed_part(whole: int, half: Optional[int]) -> int:
+    """Of `whole` bytes, those that would stay at a smaller batch (linear in the batch: 2 half - whole)."""
+    return 0 if half is None else min(whole, max(0, 2 * half - whole))
 
 
 def saved_storages(model: nn.Module, inputs: Any, targets: Any, blocks: List[nn.Module], mode: FakeTensorMode,
@@ -116,12 +143,15 @@ def saved_storages(model: nn.Module, inputs: Any, targets: Any, blocks: List[nn.
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     found = SavedStorages(per_block=[{} for _ in blocks])
     running: List[int] = []
+    finished: Set[int] = set()  # blocks whose forward ended: what is saved after them is the head's
     kept: List[torch.Tensor] = []  # alive until counted, so that no storage's address is reused
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key, storage = tensor.untyped_storage()._cdata, tensor.untyped_storage()
         if key not in parameters and not any(key in where for where in (found.outside, *found.per_block)):
             (found.per_block[running[-1]] if running else found.outside)[key] = storage.nbytes()
+            if not running and finished:
+                found.head.add(key)
             kept.append(tensor)
         return tensor
 
@@ -132,9 +162,13 @@ def saved_storages(model: nn.Module, inputs: Any, targets: Any, blocks: List[nn.
                 found.inputs[arg.untyped_storage()._cdata] = arg.untyped_storage().nbytes()
                 kept.append(arg)
 
+    def leave(index: int) -> None:
+        running.remove(index)
+        finished.add(index)
+
     hooks = [hook for index, block in enumerate(blocks) for hook in (
         block.register_forward_pre_hook(lambda module, args, index=index: enter(index, args)),
-        block.register_forward_hook(lambda module, args, output, index=index: running.remove(index)))]
+        block.register_forward_hook(lambda module, args, output, index=index: leave(index)))]
     model.train()
     try:
         with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \

@@ -71,8 +71,7 @@ def preview(spec: RunSpec) -> str:
     would run; nothing is trained or written. Refused like a run when no candidate fits."""
     auto: AutoConfig = spec.strategies["auto"]
     facts, listed = facts_and_candidates(spec, auto)
-    known = ", ".join(f"{name}={memory_text(value) if name.endswith('_bytes') and value else value}"
-                      for name, value in asdict(facts).items())
+    known = ", ".join(fact_text(name, value) for name, value in asdict(facts).items())
     lines = [f"auto: facts: {known}", "auto: candidates (estimated memory per process, speed factor, micro-batch):",
              *(f"  {c.label}: {memory_text(c.memory.total)}, {c.speed:.2f}, {c.micro_batch}: {c.status}"
                + (f": {c.reason}" if c.reason else "") for c in listed)]
@@ -84,6 +83,15 @@ def preview(spec: RunSpec) -> str:
     return "\n".join([*lines, f"auto (search): would run trials of up to {most} of the {fitting} candidates that "
                               f"fit, {auto.trial_steps} steps each, none starting after {auto.budget_s:g} s; "
                               f"dry_run=true runs none"])
+
+
+def fact_text(name: str, value: Any) -> str:
+    if name == "saved":  # the whole batch's, by precision (the split is in auto/choice.yaml)
+        value = "not measured" if value is None else ", ".join(
+            f"{precision} {memory_text(split['total'])}" for precision, split in value.items())
+    elif name.endswith("_bytes") and value:
+        value = memory_text(value)
+    return f"{name}={value}"
 
 
 def reasons(choice: Choice) -> List[str]:

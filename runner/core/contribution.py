@@ -112,25 +112,42 @@ class Facts:
     device: str = "cpu"  # cpu | cuda
     device_memory_bytes: Optional[int] = None  # per process; None: unknown, nothing pruned
     bf16: bool = True  # the device computes bfloat16
-    # How activation_bytes splits over the repeated blocks (recompute), and what 16-bit autocast
-    # makes of them (amp); None where not measured (facts written by hand): the strategies then
-    # assume activations spread evenly over the blocks, and halved by 16 bits.
-    block_activation_bytes: Optional[int] = None  # saved inside the blocks (not also outside them)
-    block_input_bytes: int = 0  # the blocks' inputs not saved outside them: what recompute keeps
-    largest_block_bytes: int = 0  # saved inside the largest block, its input left out: rebuilt at once
-    amp_activation_bytes: Optional[int] = None  # activation_bytes of the same forward under 16-bit autocast
+    # What one training forward saves, measured by precision (SAVED_PRECISIONS), each split by where
+    # it is saved (SAVED_PARTS) at the whole batch, with "<part>_fixed" the bytes of that part
+    # that do not shrink with the batch (the weights' 16-bit copies under autocast). None where not
+    # measured (facts written by hand): activations are then taken as spread evenly over the
+    # blocks and halved by 16 bits.
+    saved: Optional[Dict[str, Dict[str, int]]] = None
+
+
+# Facts.saved's precisions: a float32 forward; under 16-bit autocast (amp); under autocast with
+# the parameters already 16-bit (amp with FSDP2's sharding stages 2 and 3, which gather them so).
+SAVED_PRECISIONS = ("float32", "autocast", "autocast_16bit_parameters")
+# Facts.saved's parts: all of it; what the head after the last repeated block saves (freed before
+# recompute rebuilds a block); what the blocks save and nothing outside them does; the blocks'
+# inputs not saved elsewhere (what recompute keeps); the largest block's own (what recompute
+# rebuilds at once in backward).
+SAVED_PARTS = ("total", "head", "in_blocks", "block_inputs", "largest_block")
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one process holds at its peak, by kind: float32 training before strategies act."""
+    """Bytes one process holds at its peak, by kind: float32 training before strategies act.
+
+    Strategies change the first three kinds directly; the activations they shape through the
+    fields below, and `held_activations` turns those into bytes once every strategy has acted."""
 
     parameters: float
     gradients: float
     optimizer_states: float
-    activations: float
+    activations: float  # Memory.of: float32's; `estimate` sets it from held_activations once every strategy acted
     compute_bytes: float = 4.0  # of a parameter as forward and backward use it (amp: 2); sharding gathers these
-
+    autocast: bool = False  # amp: the forward runs under 16-bit autocast
+    parameters_gathered: bool = False  # FSDP2 (sharding stages 2 and 3): forward uses gathered compute-dtype copies
+    micro_batch_fraction: float = 1.0  # of the batch one forward sees (gradient merging, the pipeline's micro-batches)
+    micro_batches_alive: int = 1  # whose activations are held at once (the pipeline's schedule)
+    stage_share: float = 1.0  # of the model's layers this process runs (the pipeline's stage)
+    recompute: bool = False  # the repeated blocks keep their inputs only and are rebuilt in backward
 
     @classmethod
     def of(cls, facts: Facts) -> "Memory":
@@ -140,6 +157,34 @@ class Memory:
     @property
     def total(self) -> float:
         return self.parameters + self.gradients + self.optimizer_states + self.activations
+
+    def held_activations(self, facts: Facts) -> float:
+        """The activation bytes held at the peak: the micro-batches alive, each of this stage's share
+        of the layers at its fraction of the batch; what does not shrink with the batch (the weights'
+        16-bit copies, made once per step) counted once; with recompute, the blocks' inputs, and while
+        one block of one micro-batch is rebuilt, that block's own, the head's freed by then."""
+        if facts.saved is None:  # written by hand: even blocks, everything 16-bit under autocast
+            kept = min(1.0, 2 / facts.blocks) if self.recompute and facts.blocks else 1.0
+            return (facts.activation_bytes * (0.5 if self.autocast else 1.0) * kept * self.micro_batch_fraction
+                    * self.micro_batches_alive * self.stage_share)
+        split = facts.saved["float32" if not self.autocast else
+                            "autocast_16bit_parameters" if self.parameters_gathered else "autocast"]
+
+        def fixed(part: str) -> float:
+            return split[part + "_fixed"]
+
+        def per_micro_batch(part: str) -> float:  # the part of one micro-batch that grows with it
+            return self.micro_batch_fraction * (split[part] - fixed(part))
+
+        # What stays saved through backward: all of it, or with recompute the blocks' inputs in place of their own.
+        kept = {"total": 1} if not self.recompute else {"total": 1, "in_blocks": -1, "block_inputs": 1}
+        steady = self.stage_share * sum(sign * (fixed(part) + self.micro_batches_alive * per_micro_batch(part))
+                                        for part, sign in kept.items())
+        if not self.recompute:
+            return steady
+        rebuilt = fixed("largest_block") + per_micro_batch("largest_block")
+        head = fixed("head") + per_micro_batch("head")
+        return steady + max(0.0, rebuilt - self.stage_share * head)
 
 
 class Strategy:

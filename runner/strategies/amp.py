@@ -48,14 +48,10 @@ class AmpConfig(Strategy):
         require(not both, key + "custom_white_list", sorted(both), "names also in custom_black_list")
 
     def memory(self, memory: Memory, facts: Facts) -> Memory:
-        """Activations as the forward under autocast saves them: what autocast computes in 16 bits
-        (matrix products and what follows them) halves, the 16-bit copies of the weights it
-        multiplies are added, what it keeps in float32 stays. Parameters, gradients and optimizer
-        states stay float32."""
-        if facts.amp_activation_bytes is None or not facts.activation_bytes:  # not measured: all of it in 16 bits
-            return replace(memory, activations=memory.activations / 2, compute_bytes=2.0)
-        return replace(memory, activations=memory.activations * facts.amp_activation_bytes / facts.activation_bytes,
-                       compute_bytes=2.0)
+        """The forward under autocast (activations as it saves them: 16-bit matrix products and what
+        follows them, the weights' 16-bit copies, float32 where autocast keeps it); parameters,
+        gradients and optimizer states stay float32."""
+        return replace(memory, autocast=True, compute_bytes=2.0)
 
     def speed(self, facts: Facts) -> float:
         # Tensor cores run 16-bit matrix products several times faster; CPUs emulate them slowly.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from runner.core.contribution import Contribution, Facts, Memory, RunShape, Strategy
@@ -120,6 +120,7 @@ def estimate(facts: Facts, strategies: Dict[str, Strategy]) -> Tuple[Memory, flo
     memory = Memory.of(facts)
     for knobs in strategies.values():
         memory = knobs.memory(memory, facts)
+    memory = replace(memory, activations=memory.held_activations(facts))
     return memory, math.prod(knobs.speed(facts) for knobs in strategies.values())
 
 

@@ -28,7 +28,7 @@ class GradientMergeConfig(Strategy):
         return None if (facts.batch_size or 0) >= 2 else "the data has no batch_size of 2 or more to split"
 
     def memory(self, memory: Memory, facts: Facts) -> Memory:
-        return replace(memory, activations=memory.activations / self.k_steps)  # micro-batches of batch / k
+        return replace(memory, micro_batch_fraction=memory.micro_batch_fraction / self.k_steps)  # micro-batches of batch / k
 
     def speed(self, facts: Facts) -> float:
         return 0.95  # smaller micro-batches use the device less well

@@ -68,9 +68,11 @@ class PipelineConfig(Strategy):
         """Each process holds its stage (1/world of the model); 1F1B keeps at most `world`
         micro-batches of activations alive, GPipe all of them."""
         stages = facts.world_size
-        alive = min(1.0, stages / self.accumulate_steps) if self.schedule_mode == "1F1B" else 1.0
+        alive = min(stages, self.accumulate_steps) if self.schedule_mode == "1F1B" else self.accumulate_steps
         return replace(memory, parameters=memory.parameters / stages, gradients=memory.gradients / stages,
-                       optimizer_states=memory.optimizer_states / stages, activations=memory.activations / stages * alive)
+                       optimizer_states=memory.optimizer_states / stages, stage_share=memory.stage_share / stages,
+                       micro_batch_fraction=memory.micro_batch_fraction / self.accumulate_steps,
+                       micro_batches_alive=alive)
 
     def speed(self, facts: Facts) -> float:
         # The bubble: (stages - 1) of (micro-batches + stages - 1) slots idle, on each of `stages`

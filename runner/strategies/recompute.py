@@ -25,13 +25,8 @@ class RecomputeConfig(Strategy):
         return None if facts.blocks >= 2 else "the model has no repeated block list to recompute"
 
     def memory(self, memory: Memory, facts: Facts) -> Memory:
-        """What is saved outside the blocks stays, of the blocks only their inputs, plus the
-        largest block's own activations while backward rebuilds it."""
-        if facts.block_activation_bytes is None or not facts.activation_bytes:  # not measured: even blocks
-            return replace(memory, activations=memory.activations * min(1.0, 2 / facts.blocks))
-        kept = (facts.activation_bytes - facts.block_activation_bytes + facts.block_input_bytes
-                + facts.largest_block_bytes)
-        return replace(memory, activations=memory.activations * min(1.0, kept / facts.activation_bytes))
+        """The blocks keep their inputs; backward rebuilds one block at a time (Memory.held_activations)."""
+        return replace(memory, recompute=True)
 
     def speed(self, facts: Facts) -> float:
         return 0.75  # one more forward per step: about 4/3 of the compute

@@ -74,7 +74,7 @@ class ShardingConfig(Strategy):
             shards["gradients"] = (memory.gradients - unit) / degree + in_compute_dtype
             gathered = in_compute_dtype if self.stage == 3 else memory.parameters * memory.compute_bytes / 4
             shards["parameters"] = memory.parameters / degree + gathered
-        return replace(memory, **shards)
+        return replace(memory, **shards, parameters_gathered=self.stage >= 2)
 
     def speed(self, facts: Facts) -> float:
         return {1: 0.97, 2: 0.93, 3: 0.88}[self.stage]  # more gathers and scatters at each stage
