@@ -5,12 +5,13 @@ then runs every candidate it did not prune or refuse at full length, one plain r
 auto's wall time <= 25% of the sweep's; its choice's full-length samples/s >= 90% of the best's.
 Both sides: OMP_NUM_THREADS=1, no validation, checkpoints, loggers or progress bar (as auto's trials).
 
-With --memory-bound, the memory per process (strategy.auto.device_memory_gb) is set where memory
-binds: no strategy alone fits, and at most a third of the candidates do (found from auto's own
-estimates); the sweep then runs the candidates that fit. One more goal: auto's choice fits.
+With --memory-bound, the same for each case of MEMORY_BOUND_CASES: the memory per process
+(strategy.auto.device_memory_gb) set where memory binds: no strategy alone fits, and at most a
+third (or three) of the candidates do (found from auto's own estimates); the sweep then runs the
+candidates that fit. One more goal: auto's choice fits, in every case.
 
     python bench/auto.py                                   # defaults, results in bench/auto.json
-    python bench/auto.py --memory-bound                    # results in bench/auto_memory_bound.json
+    python bench/auto.py --memory-bound --full-steps 700   # results in bench/auto_memory_bound.json
     python bench/auto.py --budget 30 --full-steps 100 --max-candidates 6 --out /tmp/auto.json
 """
 from __future__ import annotations
@@ -45,6 +46,9 @@ GPT = ["model=gpt", "data=language_model", "model.d_model=128", "model.n_layers=
 LEAN = [*LIGHTFLEET_QUIET, "trainer.limit_val_batches=0"]
 # Statuses auto gives candidates it would never train: the sweep leaves them out too.
 NOT_RUNNABLE = ("pruned", "refused")
+# --memory-bound's cases: processes, and at most which share and how many of the candidates fit.
+MEMORY_BOUND_CASES = {"2 processes, a third fit": (2, 1 / 3, None), "2 processes, three fit": (2, 1.0, 3),
+                      "1 process, a third fit": (1, 1 / 3, None)}
 
 
 def run_auto(args: argparse.Namespace, out_dir: Path, *extra: str) -> Dict[str, Any]:
@@ -66,17 +70,20 @@ def derived_candidates(choice: Dict[str, Any]) -> Dict[str, Candidate]:
     return {c.label: c for c in listed}
 
 
-def memory_bound_limit(args: argparse.Namespace, out_dir: Path) -> int:
-    """Bytes per process where no strategy alone fits and at most a third of the candidates do,
-    the largest such limit, from the estimates of auto's rules on this model (no trial: the facts only)."""
+def memory_bound_limit(args: argparse.Namespace, out_dir: Path, share: float, count: Optional[int]) -> int:
+    """Bytes per process where no strategy alone fits and at most `share` (and `count`) of the
+    candidates do, the largest such limit, from the estimates of auto's rules on this model (no
+    trial: the facts only)."""
     rules_only = run_auto(args, out_dir, "strategy.auto.mode=rules", "strategy.auto.device_memory_gb=1000")
     facts, rows = Facts(**rules_only["choice"]["facts"]), load_table().allowed
     for limit in sorted({c.memory.total for c in candidates(facts, AutoConfig(), rows)}, reverse=True):
         listed = candidates(dataclasses.replace(facts, device_memory_bytes=int(limit)), AutoConfig(), rows)
         fitting = [c for c in listed if c.status != "pruned"]
-        if fitting and all(len(c.strategies) >= 2 for c in fitting) and len(fitting) <= len(listed) / 3:
+        if fitting and all(len(c.strategies) >= 2 for c in fitting) and len(fitting) <= min(
+                share * len(listed), count or len(listed)):
             return int(limit)
-    sys.exit("bench: no memory limit leaves every single strategy out while a third of the candidates or fewer fit")
+    sys.exit(f"bench: no memory limit leaves every single strategy out while at most {share:.0%} "
+             f"(and {count}) of the candidates fit")
 
 
 def to_sweep(rows: List[Dict[str, str]], chosen: str, cap: Optional[int]) -> List[Dict[str, str]]:
@@ -197,6 +204,40 @@ def report(figures: Dict[str, Any], table: List[Dict[str, Any]], confirmed: Opti
     return "\n".join(lines)
 
 
+def run_case(args: argparse.Namespace, work: Path, limit: List[str]) -> Dict[str, Any]:
+    """auto's search, the sweep and the confirmation of one case; its report printed."""
+    print(f"auto: searching, {args.devices} processes, budget {args.budget:g} s, {args.trial_steps} steps a trial ...",
+          flush=True)
+    auto = run_auto(args, work / "auto", *limit)
+    print(f"auto: chose {auto['choice']['chosen']} in {auto['wall_s']:.1f} s", flush=True)
+    table = run_sweep(args, auto, work / "full")
+    runnable = sum(row["status"] not in NOT_RUNNABLE for row in auto["rows"])
+    figures = verdict(auto, table, runnable)
+    confirmed = confirm(args, auto, figures["best"], work / "confirm")
+    print(report(figures, table, confirmed), flush=True)
+    return {"devices": args.devices, "auto_overrides": [arg for arg in auto["command"][3:] if not arg.startswith("paths.")],
+            "memory_limit": limit, "figures": figures, "confirmed": confirmed, "table": table,
+            "auto_candidates": auto["rows"]}
+
+
+def memory_bound_cases(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
+    """Every case of MEMORY_BOUND_CASES, and what they add up to."""
+    cases = {}
+    for name, (devices, share, count) in MEMORY_BOUND_CASES.items():
+        case_args = argparse.Namespace(**{**vars(args), "devices": devices})
+        gib = memory_bound_limit(case_args, work / f"{devices}_{share:.2f}_{count}" / "estimates", share, count) / 2**30
+        print(f"\n== {name}: strategy.auto.device_memory_gb={gib:.6f} ({gib * 1024:.1f} MiB per process)", flush=True)
+        cases[name] = run_case(case_args, work / f"{devices}_{share:.2f}_{count}",
+                               [f"strategy.auto.device_memory_gb={gib:.6f}"])
+    figures = [case["figures"] for case in cases.values()]
+    summary = {"cases": len(cases), "infeasible_choices": sum(not f["chosen_fits"] for f in figures),
+               "speed_ratios": [f["speed_ratio"] for f in figures], "wall_ratios": [f["wall_ratio"] for f in figures],
+               "confirmations": sum("both ran again" in f["confirmation"] for f in figures),
+               "confirmations_that_changed_the_choice": sum("took the lead" in f["confirmation"] for f in figures)}
+    print(f"\nover the {len(cases)} cases: {json.dumps(summary)}")
+    return {"cases": cases, "summary": summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=60.0, help="strategy.auto.budget_s: seconds of trials")
@@ -215,26 +256,12 @@ def main() -> None:
     args.out = args.out or ROOT / "bench" / ("auto_memory_bound.json" if args.memory_bound else "auto.json")
 
     with tempfile.TemporaryDirectory() as tmp:
-        limit = []
-        if args.memory_bound:
-            gib = memory_bound_limit(args, Path(tmp) / "estimates") / 2**30
-            print(f"memory bound: strategy.auto.device_memory_gb={gib:.6f} ({gib * 1024:.1f} MiB per process)", flush=True)
-            limit = [f"strategy.auto.device_memory_gb={gib:.6f}"]
-        print(f"auto: searching, budget {args.budget:g} s, {args.trial_steps} steps a trial ...", flush=True)
-        auto = run_auto(args, Path(tmp) / "auto", *limit)
-        print(f"auto: chose {auto['choice']['chosen']} in {auto['wall_s']:.1f} s", flush=True)
-        table = run_sweep(args, auto, Path(tmp) / "full")
-        runnable = sum(row["status"] not in NOT_RUNNABLE for row in auto["rows"])
-        figures = verdict(auto, table, runnable)
-        confirmed = confirm(args, auto, figures["best"], Path(tmp) / "confirm")
-    print(report(figures, table, confirmed))
+        found = memory_bound_cases(args, Path(tmp)) if args.memory_bound else run_case(args, Path(tmp), [])
     results = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
                "settings": {key: (str(value.relative_to(ROOT)) if isinstance(value, Path) and value.is_relative_to(ROOT)
                                   else str(value) if isinstance(value, Path) else value)
                             for key, value in vars(args).items()},
-               "model": GPT, "auto_overrides": [arg for arg in auto["command"][3:] if not arg.startswith("paths.")], "memory_limit": limit, "figures": figures,
-               "confirmed": confirmed,
-               "table": table, "auto_candidates": auto["rows"]}
+               "model": GPT, **found}
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"results written to {args.out}")
 
