@@ -20,6 +20,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -47,7 +48,7 @@ LEAN = [*LIGHTFLEET_QUIET, "trainer.limit_val_batches=0"]
 # Statuses auto gives candidates it would never train: the sweep leaves them out too.
 NOT_RUNNABLE = ("pruned", "refused")
 # --memory-bound's cases: processes, and at most which share and how many of the candidates fit.
-MEMORY_BOUND_CASES = {"2 processes, a third fit": (2, 1 / 3, None), "2 processes, three fit": (2, 1.0, 3),
+MEMORY_BOUND_CASES = {"2 processes, a third fit": (2, 1 / 3, None), "2 processes, at most three fit": (2, 1.0, 3),
                       "1 process, a third fit": (1, 1 / 3, None)}
 
 
@@ -225,10 +226,10 @@ def memory_bound_cases(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     cases = {}
     for name, (devices, share, count) in MEMORY_BOUND_CASES.items():
         case_args = argparse.Namespace(**{**vars(args), "devices": devices})
-        gib = memory_bound_limit(case_args, work / f"{devices}_{share:.2f}_{count}" / "estimates", share, count) / 2**30
-        print(f"\n== {name}: strategy.auto.device_memory_gb={gib:.6f} ({gib * 1024:.1f} MiB per process)", flush=True)
-        cases[name] = run_case(case_args, work / f"{devices}_{share:.2f}_{count}",
-                               [f"strategy.auto.device_memory_gb={gib:.6f}"])
+        limit = memory_bound_limit(case_args, work / f"{devices}_{share:.2f}_{count}" / "estimates", share, count)
+        gib = f"{math.ceil(limit / 2**30 * 1e9) / 1e9:.9f}"  # rounded up: the candidate at the limit fits
+        print(f"\n== {name}: strategy.auto.device_memory_gb={gib} ({limit / 2**20:.1f} MiB per process)", flush=True)
+        cases[name] = run_case(case_args, work / f"{devices}_{share:.2f}_{count}", [f"strategy.auto.device_memory_gb={gib}"])
     figures = [case["figures"] for case in cases.values()]
     summary = {"cases": len(cases), "infeasible_choices": sum(not f["chosen_fits"] for f in figures),
                "speed_ratios": [f["speed_ratio"] for f in figures], "wall_ratios": [f["wall_ratio"] for f in figures],
