@@ -1,7 +1,8 @@
 """Signals at the moments tests/test_preemption.py does not reach, through the real command: a
 command killed while its ranks are still starting takes them with it; SIGTERM before the first
 checkpoint says so truthfully and the printed `lightfleet resume RUN` starts the run again; Ctrl-C
-(SIGINT) is handled as SIGTERM, with exit status 130."""
+(SIGINT) is handled as SIGTERM, with exit status 130; a signal in strategy=[auto]'s search ends the
+trial under way with the command."""
 from __future__ import annotations
 
 import csv
@@ -120,3 +121,25 @@ def test_sigterm_to_the_ranks_alone_is_a_preemption_with_its_resume_line(lightfl
     resumed = lightfleet("resume", str(run), "paths.output_dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert logged_steps(tmp_path / "resumed")[0] >= 3  # on from the checkpoint
+
+
+def test_sigterm_in_autos_search_ends_the_trial_with_the_command(tmp_path):
+    """A signal while strategy=[auto] trials a candidate: the trial's processes end with the
+    command, which says so in one line and trains nothing."""
+    run = tmp_path / "run"
+    # Trials leave the run's callbacks out (no SlowSteps): long ones, signalled as their ranks start.
+    process = start(tmp_path, "strategy=[auto]", "trainer.devices=2", "strategy.auto.trial_steps=5000",
+                    "paths.output_dir=run")
+    deadline = time.monotonic() + 120
+    while not (launchers := rank_pids(process.pid)) or len(rank_pids(launchers[0])) < 2:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no trial started its ranks"
+        time.sleep(0.05)
+    trial_processes = [launchers[0], *rank_pids(launchers[0])]
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=90)
+    assert process.returncode == PREEMPTED, err
+    assert err.strip().splitlines()[-1] == (f"lightfleet: stopped by SIGTERM in strategy=[auto]'s search, nothing "
+                                            f"trained; its trials so far: {run / 'auto' / 'trials'}")
+    wait_gone(trial_processes, within=30)
+    assert not (run / "results.yaml").exists()

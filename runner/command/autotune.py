@@ -191,9 +191,14 @@ def run_trial(spec: RunSpec, c: Candidate, auto: AutoConfig, trial_dir: Path, co
     trial = with_strategies(spec, c.strategies, trial_dir=trial_dir, steps=auto.trial_steps)
     create_run_dir(trial.cfg, plan_for(trial), command, trial_dir)
     log = trial_dir / TRIAL_LOG
-    with log.open("w") as output:
-        done = subprocess.run([sys.executable, "-m", "runner.command.launch", str(trial_dir)], stdout=output,
-                              stderr=subprocess.STDOUT)
+    with log.open("w") as output, subprocess.Popen([sys.executable, "-m", "runner.command.launch", str(trial_dir)],
+                                                   stdout=output, stderr=subprocess.STDOUT) as done:
+        try:
+            done.wait()
+        except BaseException:  # the command stopped (a signal, Ctrl-C): the trial's processes with it
+            done.terminate()
+            done.wait()
+            raise
     ending = job_ending(trial_dir)
     if ending.outcome == FINISHED:
         c.status = "ok"

@@ -105,7 +105,13 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, sta
     if "auto" in plan.strategies:  # chosen now, before any rank starts
         from runner.command.autotune import choose
 
-        chosen = choose(spec, records, command)
+        try:
+            with launcher.stopping_at_once():  # a trial under way is stopped with the command
+                chosen = choose(spec, records, command)
+        except Preempted as stop:
+            say(f"lightfleet: stopped by {signal.Signals(stop.signum).name} in strategy=[auto]'s search, nothing "
+                f"trained; its trials so far: {records / files.AUTO_DIR / files.TRIALS_DIR}", sys.stderr)
+            return exit_status(stop.signum)
         if chosen is None:  # strategy.auto.search_only
             return 0
         spec, plan = chosen
