@@ -30,8 +30,8 @@ from runner.config.checks import RunSpec, plan_for, validate
 from runner.core.contribution import Facts
 from runner.core.errors import ConfigError, Refusal
 from runner.core.plan import Plan
-from runner.records.files import (AUTO_DIR, CANDIDATES_CSV, CHOICE_YAML, FAILED, FINISHED, OUT_OF_MEMORY, REFUSED,
-                                  SWEEP_YAML, TRIAL_LOG, TRIALS_DIR, failure_outcome, job_ending)
+from runner.records.files import (AGAIN, AUTO_DIR, CANDIDATES_CSV, CHOICE_YAML, FAILED, FINISHED, OUT_OF_MEMORY,
+                                  REFUSED, SWEEP_YAML, TRIAL_LOG, TRIALS_DIR, failure_outcome, job_ending)
 from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.strategies import schemas
 from runner.strategies.auto import (AutoConfig, Candidate, Choice, accounts, candidates, contenders, memory_text,
@@ -156,7 +156,7 @@ def confirmed(spec: RunSpec, listed: List[Candidate], finished: List[Candidate],
     leader = finished[0]
     for c in finished[:2]:
         first = c.measured
-        run_trial(spec, c, auto, auto_dir / TRIALS_DIR / f"{listed.index(c)}_again", command)
+        run_trial(spec, c, auto, auto_dir / TRIALS_DIR / f"{listed.index(c)}{AGAIN}", command)
         if c.status != "ok":  # a second trial that failed leaves the first one's figures
             c.status, c.measured, c.reason = "ok", first, f"its second trial failed: {c.reason}"
             continue

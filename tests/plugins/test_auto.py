@@ -18,6 +18,7 @@ from runner.config.compat import load_table
 from runner.core.contribution import Facts, Memory
 from runner.strategies import schemas
 from runner.core.errors import ConfigError
+from runner.records.files import AGAIN
 from runner.strategies.auto import AutoConfig, candidates, contenders, estimate, fits, memory_text, rules, verdict
 
 ROWS = load_table().allowed
@@ -328,7 +329,7 @@ WIRING = [
                 "device_memory_gb": Knob(0.5, lambda run: read(run / "auto" / "choice.yaml")["facts"]
                                          ["device_memory_bytes"] / GIB)}, from_run_dir=True),
     WiringCase({"trial_steps": Knob(3, lambda run: read(trials(run)[0] / "config.yaml")["trainer"]["max_steps"]),
-                "max_trials": Knob(2, lambda run: len([t for t in trials(run) if not t.name.endswith("_again")])),
+                "max_trials": Knob(2, lambda run: len([t for t in trials(run) if not t.name.endswith(AGAIN)])),
                 "search_only": Knob(True, lambda run: not (run / "results.yaml").exists()
                                     and (run / "auto" / "experiment" / "best.yaml").is_file())}, from_run_dir=True),
     # A budget spent at once: the first trial starts, no other.
@@ -366,7 +367,7 @@ def test_the_top_two_trials_within_noise_run_again_and_rank_by_their_mean(again,
 
     def second_trial(spec, c, auto, trial_dir, command):
         c.measured = {"samples_per_s": next(seconds)}
-        assert trial_dir.name.endswith("_again")
+        assert trial_dir.name.endswith(AGAIN)
 
     monkeypatch.setattr(autotune, "run_trial", second_trial)
     assert autotune.within_noise(*listed) and not autotune.within_noise(listed[0], dataclasses.replace(
