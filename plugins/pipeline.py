@@ -192,7 +192,7 @@ class PipelineStrategy(ModelParallelStrategy):
         with self.precision_plugin.train_step_context():
             loss = self._run(self.schedule.step, inputs, targets)
         self._gradients = [parameter.grad for parameter in parameters]
-        self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True)
+        self.lightning_module.log("train_loss", loss, on_step=True)  # not prog_bar: runner/models/__init__.py says why
         return loss
 
     @override

@@ -6,6 +6,12 @@ run). Where epochs bound the run, both behave exactly as Lightning's. The plan a
 conf/callbacks/rich_progress_bar.yaml brings `RichStepsProgressBar`. Neither shows Lightning's
 `v_num` (the logger's version: "csv").
 
+Both show the training loss as read at logging steps (every `trainer.log_every_n_steps`, the first
+and the last step), never at every micro-batch: reading a value off a GPU waits for the device,
+which a plain training loop does not do per micro-batch. The built-in models log `train_loss`
+without `prog_bar` for that reason (Lightning turns a progress-bar metric into a number after
+every batch).
+
 In a run of several processes, each line a rank writes reaches the console as a line of its own
 ("[rank0]:..."), so a bar would print a line per refresh. There `StepsProgressBar` draws into
 `ProgressRelay`, a file holding its latest line (PROGRESS_LINE_ENV names it), and the command draws that
@@ -17,7 +23,7 @@ import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
@@ -37,10 +43,23 @@ def steps_description(epoch: int) -> str:
     return f"Epoch {epoch}, step"
 
 
+SHOWN_LOSS = "train_loss"  # what the built-in models log as their training loss
+
+
+def logging_step(trainer: "pl.Trainer") -> bool:
+    """Whether the optimizer step just taken is one whose figures are read: the first, the last and
+    every `log_every_n_steps` (as Lightning's loggers and lightfleet's meter read theirs)."""
+    step, every = trainer.global_step, trainer.log_every_n_steps
+    return step > 0 and (step in (1, trainer.max_steps) or bool(every) and step % every == 0)
+
+
 class _CountsSteps:
-    """What both bars share: the total is max_steps and the count the global step."""
+    """What both bars share: the total is max_steps and the count the global step; the loss is
+    read at logging steps only."""
 
     trainer: "pl.Trainer"
+    loss_read_at: int = -1  # the global step whose loss the bar shows
+    shown_loss: Optional[float] = None
 
     @property
     def total_train_batches(self) -> Union[int, float]:
@@ -49,6 +68,10 @@ class _CountsSteps:
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if trainer.global_step != self.loss_read_at and logging_step(trainer):
+            self.loss_read_at = trainer.global_step
+            loss = trainer.callback_metrics.get(SHOWN_LOSS)
+            self.shown_loss = None if loss is None else float(loss)
         # Lightning's bars show batch_idx + 1; a run bounded by steps shows its steps instead.
         shown = trainer.global_step - 1 if bounded_by_steps(trainer) else batch_idx
         super().on_train_batch_end(trainer, pl_module, outputs, batch, shown)
@@ -57,6 +80,8 @@ class _CountsSteps:
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Dict[str, Union[int, str, float]]:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
+        if self.shown_loss is not None:
+            metrics = {SHOWN_LOSS: self.shown_loss, **metrics}
         return metrics
 
 

@@ -186,3 +186,66 @@ class FinalState(pl.Callback):
                   for key, value in entry.items()} for entry in local.state.values()]
         torch.save({"global_step": trainer.global_step, "parameters": parameters, "optimizer": state},
                    Path(trainer.default_root_dir) / f"final.rank{trainer.global_rank}.pt")
+
+
+# aten ops that read a value back from the device (an `.item()`, `float(tensor)`, a comparison into a
+# Python bool, a data-dependent shape): each one waits for the device on a GPU.
+SYNCHRONISING = ("_local_scalar_dense", "equal", "nonzero", "masked_select")
+
+
+class SynchronisingCalls(pl.Callback):
+    """Counts, on rank 0, the calls that would synchronise a GPU with its host, from each training
+    batch's start to the next one's (everything in between: the step, every callback, Lightning's
+    logging, the next fetch); writes [[global step, count], ...] into syncs.json in the run
+    directory at the end. It watches the aten ops themselves, on any device, and on CUDA also
+    counts what CUDA's own sync debug mode reports (blocking copies, stream synchronisations)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import warnings
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        watched = {getattr(torch.ops.aten, name).default for name in SYNCHRONISING}
+
+        class Counter(TorchDispatchMode):
+            calls = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Counter.calls += func in watched
+                return func(*args, **(kwargs or {}))
+
+        self.counter, self.counts, self.started_at = Counter(), [], None
+        self.counter.__enter__()
+        self.cuda = trainer.strategy.root_device.type == "cuda"
+        if self.cuda:
+            self.caught = warnings.catch_warnings(record=True)
+            self.warned = self.caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def calls(self) -> int:
+        reported = sum("synchronizing CUDA operation" in str(w.message) for w in self.warned) if self.cuda else 0
+        return self.counter.calls + reported
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.started_at is not None:
+            self.counts.append([self.step, self.calls() - self.started_at])
+        self.started_at, self.step = self.calls(), trainer.global_step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.counter.__exit__(None, None, None)
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self.caught.__exit__(None, None, None)
+        if trainer.global_rank == 0:
+            Path(trainer.default_root_dir, "syncs.json").write_text(json.dumps(self.counts))
+
+
+def reads_off_logging_steps(windows: List[List[int]], k_steps: int, log_every: int) -> Dict[int, int]:
+    """Of SynchronisingCalls' windows in a run of `k_steps` micro-batches a step, those with calls
+    that end no logging step (the first step and every `log_every`-th): window index -> calls."""
+    def logged(index: int, step: int) -> bool:
+        return index % k_steps == k_steps - 1 and (step + 1 == 1 or (step + 1) % log_every == 0)
+
+    return {index: calls for index, (step, calls) in enumerate(windows) if calls and not logged(index, step)}

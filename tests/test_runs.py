@@ -3,6 +3,7 @@ multi-process jobs (one directory per job, every rank logging into it), every ex
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 import re
@@ -15,6 +16,7 @@ import pytest
 import pytorch_lightning as pl
 import yaml
 
+from probe import reads_off_logging_steps
 from runner.config.compat import EXPERIMENTS_DIR
 
 
@@ -328,3 +330,18 @@ def test_two_processes_validate_on_the_whole_set_and_eval_trains_nothing(lightfl
     # 512 validation samples, 4 batches of 64 on each of 2 ranks: the mean over both ranks is the
     # mean over the whole set, which one process computes alone.
     assert val_loss[2] == pytest.approx(val_loss[1], rel=1e-5)
+
+
+def test_no_micro_batch_reads_a_value_off_the_device_only_logging_steps_do(lightfleet, tmp_path):
+    # A plain loop on a GPU reads nothing back from the device per micro-batch; a progress bar or a
+    # logger that did (an .item() of the loss) would make the host wait for the device every time.
+    k, every = 4, 3
+    done = lightfleet("strategy=[gradient_merge]", f"strategy.gradient_merge.k_steps={k}", "trainer.max_steps=7",
+                      f"trainer.log_every_n_steps={every}", "+callbacks.syncs._target_=probe.SynchronisingCalls",
+                      "paths.output_dir=run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "train_loss=" in done.stdout  # the bar still shows the loss (read at logging steps)
+    windows = json.loads((tmp_path / "run" / "syncs.json").read_text())  # [step at the batch's start, calls]
+    assert len(windows) == 7 * k - 1
+    assert reads_off_logging_steps(windows, k, every) == {}
+    assert 0 < max(calls for _, calls in windows) <= 4  # at logging steps: the bar's loss and the logger's

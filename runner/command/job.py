@@ -190,6 +190,8 @@ def summary_line(results: Dict[str, Any], seconds: float, first_step: int = 0) -
         parts.append(f"peak memory {results['peak_memory_mb']:,.0f} MB")
     if results.get("data_wait_fraction") is not None:
         parts.append(f"waiting for data {results['data_wait_fraction']:.0%} of the step time")
+    if results.get("device_idle_fraction") is not None:
+        parts.append(f"device idle between batches {results['device_idle_fraction']:.0%}")
     if "train_loss" in results:
         parts.append(f"train_loss {results['train_loss']:.4g}")
     if "val_loss" in results:  # from the last validation, which need not be at the last step
@@ -199,9 +201,9 @@ def summary_line(results: Dict[str, Any], seconds: float, first_step: int = 0) -
     return ", ".join(parts)
 
 
-INPUT_BOUND = 0.1  # the share of the step time spent waiting for batches above which the summary says so
-# A wait below this is a loader's own cost for a batch (collating, the iterator's bookkeeping), which
-# workers and prefetching cannot hide: tiny models on data in memory wait so, whatever their fraction.
+INPUT_BOUND = 0.1  # the share of the step time the loader takes above which the summary says so
+# A loading time below this is a loader's own cost for a batch (collating, the iterator's bookkeeping),
+# which workers and prefetching cannot hide: tiny models on data in memory take so, whatever their fraction.
 INPUT_BOUND_MIN_WAIT_S = 0.001
 INPUT_KNOBS = {"num_workers": "more loader workers", "pin_memory": "pinned memory (on GPUs)",
                "prefetch_factor": "more batches prefetched by each worker"}
@@ -209,14 +211,18 @@ INPUT_KNOBS = {"num_workers": "more loader workers", "pin_memory": "pinned memor
 
 def input_bound_note(results: Dict[str, Any], data: Any) -> Optional[str]:
     """A line saying that the input does not keep up, and the data's knobs that help, when the
-    steps wait for their batches more than INPUT_BOUND of the time, and at least INPUT_BOUND_MIN_WAIT_S."""
-    fraction = results.get("data_wait_fraction")
+    loader took more than INPUT_BOUND of the step time (and at least INPUT_BOUND_MIN_WAIT_S a step)
+    and, on a GPU, the device sat idle between batches for at least half that time (a host that
+    loads while the device computes holds nothing up)."""
+    fraction, idle = results.get("data_wait_fraction"), results.get("device_idle_fraction")
     if fraction is None or fraction <= INPUT_BOUND or results["data_wait_s"] < INPUT_BOUND_MIN_WAIT_S:
+        return None
+    if idle is not None and idle < fraction / 2:
         return None
     knobs = [f"{why} (data.{name}, now {data[name]})" for name, why in INPUT_KNOBS.items() if name in data]
     help_ = "; ".join(knobs) if knobs else "loading the data ahead of the steps (a DataLoader's num_workers)"
-    return (f"lightfleet: note: the input does not keep up: the steps waited for their batches {fraction:.0%} of "
-            f"the time ({results['data_wait_s'] * 1000:.3g} ms a step). What helps: {help_}")
+    return (f"lightfleet: note: the input does not keep up: loading the batches took {fraction:.0%} of the "
+            f"step time ({results['data_wait_s'] * 1000:.3g} ms a step). What helps: {help_}")
 
 
 def say(text: str, stream: Optional[TextIO] = None) -> None:

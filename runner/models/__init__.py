@@ -66,7 +66,9 @@ class ClassifierModule(pl.LightningModule):
     @override
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss_and_accuracy(batch)
-        self.log("train_loss", loss, prog_bar=True, on_step=True)
+        # Not prog_bar: Lightning reads a progress-bar metric off the device after every batch
+        # (a synchronisation per micro-batch on a GPU); the bar reads it at logging steps (plugins/progress.py).
+        self.log("train_loss", loss, on_step=True)
         return loss
 
     @override

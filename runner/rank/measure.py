@@ -1,10 +1,15 @@
-"""Every run measures itself, on every rank: optimizer-step times, the time each step waits for
-its batches, throughput, model FLOPs utilisation and peak memory (docs/measurements.md says what
-each figure means).
+"""Every run measures itself, on every rank: optimizer-step times, the time the training loader
+takes to produce each step's batches, throughput, model FLOPs utilisation and peak memory
+(docs/measurements.md says what each figure means).
 
-The hot path only reads a clock (a CUDA event on GPUs, so the device is synchronised only when
-the times are read: at logging steps and at the end) and counts samples; figures are computed
-and logged every `log_every_n_steps`, and gathered from all ranks once, when training ends.
+The hot path only reads clocks (CUDA events on GPUs, so the device is synchronised only when the
+times are read: at logging steps and at the end) and counts samples; figures are computed and
+logged every `log_every_n_steps`, and gathered from all ranks once, when training ends.
+
+On a GPU the host runs ahead of the device and blocks only where something synchronises, so time
+between two host hooks is device time, not the loader's. The loader is timed inside its fetch
+(LoaderClock), and on CUDA the device's own idle time between batches (DeviceGaps) says whether
+that loading held the device up.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytorch_lightning as pl
 import torch
@@ -80,9 +85,7 @@ class StepClock:
 
     def tick(self) -> None:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._ticks.append(event)
+            self._ticks.append(recorded_event())
         else:
             self._ticks.append(time.perf_counter())
 
@@ -105,6 +108,87 @@ class StepClock:
         return seconds
 
 
+class LoaderClock:
+    """Seconds the training loader spends producing batches, by the host's clock inside each fetch.
+    Lightning's fit loop wraps every `next()` of the training loader in its profiler's
+    start/stop of FETCH (whatever profiler the run has): this wraps those two calls of the run's
+    profiler, and `release` puts them back."""
+
+    FETCH = "[_TrainingEpochLoop].train_dataloader_next"
+
+    def __init__(self, profiler: Any) -> None:
+        self.profiler, self.seconds, self._started = profiler, 0.0, None
+        start, stop = profiler.start, profiler.stop
+
+        def timed_start(action: str) -> None:
+            if action == self.FETCH:
+                self._started = time.perf_counter()
+            start(action)
+
+        def timed_stop(action: str) -> None:
+            stop(action)
+            if action == self.FETCH and self._started is not None:
+                self.seconds += time.perf_counter() - self._started
+                self._started = None
+
+        profiler.start, profiler.stop = timed_start, timed_stop
+
+    def take(self) -> float:
+        """The loading time since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def release(self) -> None:
+        for name in ("start", "stop"):
+            vars(self.profiler).pop(name, None)
+
+
+class DeviceGaps:
+    """On CUDA, the device's idle time between one micro-batch's end and the next one's start, by
+    events recorded at both (read when `take` is called): near zero when the host ran ahead (the
+    device still had work queued when the next batch was issued), the device's wait when it did
+    not. Nothing on other devices, where the host's clock is the device's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._end: Any = None  # the event of the last micro-batch's end, until the next one starts
+        self._step: List[Tuple[Any, Any]] = []  # (end, start) event pairs of the step under way
+        self._steps: List[List[Tuple[Any, Any]]] = []  # ... of each finished step not yet read
+
+    def batch_end(self) -> None:
+        if self.cuda:
+            self._end = recorded_event()
+
+    def batch_start(self) -> None:
+        if self.cuda and self._end is not None:
+            self._step.append((self._end, recorded_event()))
+            self._end = None
+
+    def step_done(self) -> None:
+        if self.cuda:
+            self._steps.append(self._step)
+            self._step = []
+
+    def forget(self) -> None:
+        """What comes before the next batch (validation, an epoch's end) is not a gap between batches."""
+        self._end = None
+
+    def take(self) -> List[float]:
+        """Each step's idle seconds since the last call (synchronises on the last event)."""
+        last = next((pairs[-1][1] for pairs in reversed(self._steps) if pairs), None)
+        if last is not None:
+            last.synchronize()
+        gaps = [sum(end.elapsed_time(start) for end, start in pairs) / 1000 for pairs in self._steps]
+        self._steps = []
+        return gaps
+
+
+def recorded_event() -> Any:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 @dataclass
 class RankFigures:
     """What one rank measured, gathered to every rank at the end."""
@@ -113,10 +197,11 @@ class RankFigures:
     samples: int  # samples this rank trained on
     measured_samples: int  # ... in the steps after warm-up
     step_times: List[float]  # seconds per optimizer step after warm-up
-    data_waits: List[float]  # ... of which the step waited for its batches
+    data_waits: List[float]  # ... of which the training loader spent producing its batches (host clock)
     first_step_at: float  # seconds since the epoch
     peak_memory_mb: float
     peak_reserved_mb: Optional[float]
+    device_gaps: Optional[List[float]] = None  # per measured step, the device's idle time between batches (CUDA)
 
 
 class LastValidation(pl.Callback):
@@ -157,10 +242,11 @@ class RunMeter(pl.Callback):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.clock = StepClock(self.device)
+        self.loader = LoaderClock(trainer.profiler)
+        self.gaps = DeviceGaps(self.device)
         self.step_times: List[float] = []  # every step's, warm-up included
-        self.data_waits: List[float] = []  # every step's time waiting for its batches (host clock)
-        self.waiting = 0.0  # ... of the step under way
-        self.batch_ended_at: Optional[float] = None
+        self.data_waits: List[float] = []  # every step's loading time (host clock, inside the fetches)
+        self.device_gaps: List[float] = []  # every step's idle device time between batches (CUDA)
         self.step_samples: List[int] = []
         self.samples = self.samples_in_step = 0
         self.first_step_at: Optional[float] = None
@@ -174,10 +260,9 @@ class RunMeter(pl.Callback):
             self.first_step_at = time.time()
         if self.interrupted:  # the step starts now, not when validation or the epoch began
             self.clock.restart()
+            self.loader.take()  # the first batch's fetch belongs to no timed step
             self.interrupted = False
-        elif self.batch_ended_at is not None:
-            # Between one batch's end and the next one's start, Lightning fetches the next batch.
-            self.waiting += time.perf_counter() - self.batch_ended_at
+        self.gaps.batch_start()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -185,13 +270,15 @@ class RunMeter(pl.Callback):
         # The common (inputs, targets) batch directly; Lightning's search of the batch otherwise.
         first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
         self.samples_in_step += len(first) if isinstance(first, torch.Tensor) and first.dim() else extract_batch_size(batch)
-        self.batch_ended_at = time.perf_counter()
-        if trainer.global_step == self.last_step:  # accumulating: the optimizer has not stepped yet
-            return
+        if trainer.global_step != self.last_step:  # the optimizer stepped (not while accumulating)
+            self._step_done(trainer)
+        self.gaps.batch_end()
+
+    def _step_done(self, trainer: pl.Trainer) -> None:
         self.last_step = trainer.global_step
         self.clock.tick()
-        self.data_waits.append(self.waiting)
-        self.waiting = 0.0
+        self.gaps.step_done()
+        self.data_waits.append(self.loader.take())
         self.samples += self.samples_in_step
         self.step_samples.append(self.samples_in_step)
         self.samples_in_step = 0
@@ -210,24 +297,27 @@ class RunMeter(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._read_clock()
+        self.loader.release()
         # Too few steps for the warm-up asked for: all but the first (which compiles, allocates...).
         steps = len(self.step_times)
         warm = self.warmup_steps if steps > self.warmup_steps else int(steps > 1)
-        waits = self.data_waits[-steps:] if steps else []  # the steps the clock timed
+        timed = slice(len(self.data_waits) - steps + warm, None) if steps else slice(0)  # the steps the clock timed
+        gaps = self.device_gaps[timed] if self.gaps.cuda else None
         mine = RankFigures(self.data_parallel_rank, self.samples, sum(self.step_samples[warm:]),
-                           self.step_times[warm:], waits[warm:], self.first_step_at or time.time(),
-                           **peak_memory_mb(self.device))
+                           self.step_times[warm:], self.data_waits[timed], self.first_step_at or time.time(),
+                           **peak_memory_mb(self.device), device_gaps=gaps)
         ranks = gather(mine)
         self.summary = self._summarize(ranks)
 
     def _pause(self) -> None:
         self._read_clock()
         self.interrupted = True
-        self.batch_ended_at = None
+        self.gaps.forget()
 
     def _read_clock(self) -> None:
         if self.clock is not None:
             self.step_times += self.clock.durations()
+            self.device_gaps += self.gaps.take()
 
     def _log(self, trainer: pl.Trainer) -> None:
         """The figures of the steps since the last log, as this rank sees them (x replicas),
@@ -266,11 +356,13 @@ class RunMeter(pl.Callback):
         waits = [(sum(rank.data_waits) / sum(rank.step_times), statistics.median(rank.data_waits))
                  for rank in ranks if rank.step_times and rank.data_waits]
         fraction, wait = max(waits, default=(None, None))  # the rank that waits most
+        idle = [sum(rank.device_gaps) / sum(rank.step_times) for rank in ranks if rank.step_times and rank.device_gaps]
         return {
             "step_time_median_s": max(filter(None, medians), default=None),
             "step_time_p90_s": max(filter(None, p90s), default=None),
             "data_wait_s": wait,
             "data_wait_fraction": fraction,
+            "device_idle_fraction": max(idle, default=None),
             "samples_per_s": samples_per_s,
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,

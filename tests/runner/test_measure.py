@@ -218,3 +218,50 @@ def test_the_summary_names_the_step_of_an_earlier_validation():
     ran = {"global_step": 60, "train_loss": 0.2, "val_loss": 0.304, "val_step": 30}
     assert summary_line(ran, 5.0).endswith("train_loss 0.2, val_loss 0.304 (at step 30)")
     assert summary_line({**ran, "val_step": 60}, 5.0).endswith("val_loss 0.304")
+
+
+class BlocksAfterTheFetch(pl.Callback):
+    """What a GPU's host does when something synchronises after the batch is in hand (a `.item()`
+    for the progress bar, whose hooks run after the meter's): it blocks between two fetches."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(0.02)
+
+
+class SlowItems(torch.utils.data.Dataset):
+    """A slow disk or decoder: every item takes 5 ms to read."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        time.sleep(0.005)
+        return self.dataset[index]
+
+
+class SlowData(SyntheticClassificationData):
+    def make_datasets(self, generator):
+        train, val, test = super().make_datasets(generator)
+        return SlowItems(train), val, test
+
+
+@pytest.mark.parametrize("data, blocking, loads", [(SyntheticClassificationData, True, False), (SlowData, False, True)],
+                         ids=["a hook blocks after the fetch", "the loader is slow"])
+def test_waiting_for_data_is_the_loaders_own_time_not_time_blocked_after_the_fetch(tmp_path, data, blocking, loads):
+    meter = RunMeter(warmup_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=8, accumulate_grad_batches=2, limit_val_batches=0,
+                         callbacks=[meter, *([BlocksAfterTheFetch()] if blocking else [])], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    trainer.fit(MLPClassifier(), data(batch_size=4))
+    summary = meter.summary
+    # Two micro-batches a step, each 20 ms blocked after its fetch, or 4 items x 5 ms in its fetch.
+    assert summary["step_time_median_s"] >= 0.04
+    if loads:
+        assert summary["data_wait_s"] >= 0.04 and summary["data_wait_fraction"] > 0.5
+    else:
+        assert summary["data_wait_s"] < 0.01 and summary["data_wait_fraction"] < 0.1
+    assert summary["device_idle_fraction"] is None  # a CPU: the host's clock is the device's
