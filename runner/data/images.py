@@ -16,10 +16,10 @@ from typing import Any, Iterator, Optional, Sequence
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from runner.core.errors import require_at_least
+from runner.data.loading import stateful_loader
 from runner.data.order import EpochAtFirstDraw, replicas, run_seed
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -120,9 +120,8 @@ class ImageFolderData(pl.LightningDataModule):
         self.pin_memory, self.prefetch_factor = pin_memory, prefetch_factor
 
     def _loader(self, dataset: Dataset, **options: Any) -> DataLoader:
-        workers = {"persistent_workers": True, "prefetch_factor": self.prefetch_factor} if self.num_workers else {}
-        return StatefulDataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
-                                  pin_memory=self.pin_memory and torch.cuda.is_available(), **workers, **options)
+        return stateful_loader(dataset, self.trainer, batch_size=self.batch_size, num_workers=self.num_workers,
+                               pin_memory=self.pin_memory, prefetch_factor=self.prefetch_factor, **options)
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -11,10 +11,10 @@ from typing import Optional, Sequence
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from runner.core.errors import require_at_least
+from runner.data.loading import Workers, check_workers, stateful_loader
 from runner.data.order import EpochAtFirstDraw, replicas, run_seed
 
 
@@ -24,15 +24,17 @@ CLASS_SIGNAL = 0.5
 
 
 class SplitData(pl.LightningDataModule):
-    """Holds the train/val/test TensorDatasets built by `make_datasets` and serves them."""
+    """Holds the train/val/test TensorDatasets built by `make_datasets` and serves them
+    (runner/data/loading.py: pinned batches and, with num_workers=auto, loader workers on CUDA)."""
 
-    def __init__(self, batch_size: int, seed: int, num_workers: int) -> None:
+    def __init__(self, batch_size: int, seed: int, num_workers: Workers, pin_memory: bool) -> None:
         require_at_least(1, batch_size=batch_size)
-        require_at_least(0, num_workers=num_workers)
+        check_workers(num_workers)
         super().__init__()
         self.batch_size = batch_size
         self.seed = seed
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
         self.train_set: Optional[TensorDataset] = None
         self.val_set: Optional[TensorDataset] = None
         self.test_set: Optional[TensorDataset] = None
@@ -47,7 +49,8 @@ class SplitData(pl.LightningDataModule):
             self.train_set, self.val_set, self.test_set = self.make_datasets(torch.Generator().manual_seed(self.seed))
 
     def _loader(self, dataset: TensorDataset, **options) -> DataLoader:
-        return StatefulDataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers, **options)
+        return stateful_loader(dataset, self.trainer, batch_size=self.batch_size, num_workers=self.num_workers,
+                               pin_memory=self.pin_memory, **options)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -91,11 +94,12 @@ class SyntheticClassificationData(SplitData):
         num_test: int = 512,
         batch_size: int = 64,
         seed: int = 0,
-        num_workers: int = 0,
+        num_workers: Workers = "auto",
+        pin_memory: bool = True,
     ) -> None:
         require_at_least(1, num_classes=num_classes, num_train=num_train, num_val=num_val, num_test=num_test,
                          **{f"input_shape[{i}]": size for i, size in enumerate(input_shape)})
-        super().__init__(batch_size, seed, num_workers)
+        super().__init__(batch_size, seed, num_workers, pin_memory)
         self.input_shape = tuple(input_shape)  # YAML gives a list
         self.num_classes = num_classes
         self.num_train = num_train
@@ -137,11 +141,12 @@ class SyntheticLanguageModelData(SplitData):
         num_test: int = 256,
         batch_size: int = 32,
         seed: int = 0,
-        num_workers: int = 0,
+        num_workers: Workers = "auto",
+        pin_memory: bool = True,
     ) -> None:
         require_at_least(1, vocab_size=vocab_size, seq_len=seq_len, num_train=num_train, num_val=num_val,
                          num_test=num_test)
-        super().__init__(batch_size, seed, num_workers)
+        super().__init__(batch_size, seed, num_workers, pin_memory)
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.num_train = num_train

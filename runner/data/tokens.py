@@ -21,10 +21,10 @@ import pytorch_lightning as pl
 import torch
 import yaml
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from runner.core.errors import require_at_least
+from runner.data.loading import stateful_loader
 from runner.data.order import replicas, run_seed
 from runner.data.prepare import DTYPES, META_YAML
 
@@ -172,9 +172,8 @@ class TokenWindowData(pl.LightningDataModule):
     def _loader(self, data: TokenWindows, windows: str, shuffle: bool, epoch: int) -> DataLoader:
         sampler = WindowStarts(data, windows, self.samples_per_epoch, shuffle, run_seed(), **replicas(self.trainer))
         sampler.set_epoch(epoch)
-        return StatefulDataLoader(data, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
-                                  pin_memory=self.pin_memory and torch.cuda.is_available(),
-                                  persistent_workers=self.num_workers > 0)
+        return stateful_loader(data, self.trainer, batch_size=self.batch_size, sampler=sampler,
+                               num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -94,6 +94,37 @@ class ClassifierModule(pl.LightningModule):
 
 
 LR_DECAYS = ("none", "cosine", "linear")
+CHANNELS_LAST = ("auto", "true", "false")
+
+
+class ChannelsLast(pl.LightningModule):
+    """A convolution model's memory format: channels-last weights and input images where
+    `channels_last` says so (auto: on CUDA, where cuDNN's convolutions run faster in it and a
+    plain loop uses it; not on CPUs). The images are converted once on the device, as each batch
+    arrives (Lightning's on_after_batch_transfer), before any forward sees them."""
+
+    channels_last: str
+
+    def set_channels_last(self, value: Any) -> None:
+        if str(value).lower() not in CHANNELS_LAST:
+            raise ValueError(f"channels_last={value}: must be one of {', '.join(CHANNELS_LAST)}")
+        self.channels_last = str(value).lower()
+
+    def uses_channels_last(self, device: torch.device) -> bool:
+        return self.channels_last == "true" or (self.channels_last == "auto" and device.type == "cuda")
+
+    @override
+    def setup(self, stage: str) -> None:
+        # Before the strategy moves and wraps the model: the format survives the move to the device.
+        if self.uses_channels_last(self.trainer.strategy.root_device):
+            self.to(memory_format=torch.channels_last)
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        images, *rest = batch
+        if images.dim() == 4 and self.uses_channels_last(images.device):
+            return (images.contiguous(memory_format=torch.channels_last), *rest)
+        return batch
 
 
 def lr_factor(step: int, warmup: int, total: float, decay: str, floor: float) -> float:
@@ -172,10 +203,11 @@ class BasicBlock(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
-class ResNetClassifier(ClassifierModule):
+class ResNetClassifier(ChannelsLast, ClassifierModule):
     """Small ResNet on images [B, in_channels, H, W] -> logits [B, num_classes].
 
     One stage per entry of `widths`; every stage after the first halves the resolution.
+    `channels_last`: the memory format (ChannelsLast; auto: on CUDA only).
     """
 
     def __init__(
@@ -184,11 +216,13 @@ class ResNetClassifier(ClassifierModule):
         num_classes: int = 4,
         widths: Sequence[int] = (16, 32, 64),
         blocks_per_stage: int = 1,
+        channels_last: Any = "auto",
         optimizer: Optional[OptimizerFactory] = None,
     ) -> None:
         require_at_least(1, in_channels=in_channels, num_classes=num_classes, blocks_per_stage=blocks_per_stage,
                          stages=len(widths), **{f"widths[{i}]": width for i, width in enumerate(widths)})
         super().__init__(optimizer)
+        self.set_channels_last(channels_last)
         self.stem = nn.Sequential(conv_bn(in_channels, widths[0], 3), nn.ReLU())
         blocks, channels = [], widths[0]
         for stage, width in enumerate(widths):

@@ -18,9 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from runner.core.errors import did_you_mean, require_at_least
-from runner.models import ClassifierModule, OptimizerFactory
-
-CHANNELS_LAST = ("auto", "true", "false")
+from runner.models import ChannelsLast, ClassifierModule, OptimizerFactory
 
 
 def torchvision_model(arch: str, num_classes: int, weights_path: Optional[str]) -> nn.Module:
@@ -42,13 +40,12 @@ def torchvision_model(arch: str, num_classes: int, weights_path: Optional[str]) 
     return model
 
 
-class VisionClassifier(ClassifierModule):
+class VisionClassifier(ChannelsLast, ClassifierModule):
     """A torchvision classifier: images [B, 3, H, W] -> logits [B, num_classes].
 
     The optimizer and schedule default to the Fleet collective guide's ResNet-50 setup (momentum
     SGD, 0.9, with a linear warm-up and a decay); `label_smoothing` is optional.
-    `channels_last`: `auto` uses the channels-last memory format on CUDA, where convolutions
-    run faster in it, and not on the CPU.
+    `channels_last`: the memory format (runner.models.ChannelsLast; auto: on CUDA only).
     """
 
     def __init__(
@@ -65,10 +62,9 @@ class VisionClassifier(ClassifierModule):
         label_smoothing: float = 0.0,
     ) -> None:
         require_at_least(1, num_classes=num_classes, image_size=image_size)
-        if str(channels_last).lower() not in CHANNELS_LAST:
-            raise ValueError(f"channels_last={channels_last}: must be one of auto, true, false")
         super().__init__(optimizer, warmup_steps, lr_decay, min_lr_ratio, label_smoothing)
-        self.arch, self.image_size, self.channels_last = arch, image_size, str(channels_last).lower()
+        self.set_channels_last(channels_last)
+        self.arch, self.image_size = arch, image_size
         net = torchvision_model(arch, num_classes, weights_path)
         self.net: Optional[nn.Module] = None if hasattr(net, "layer1") and hasattr(net, "fc") else net
         if self.net is None:  # torchvision's ResNet family
@@ -86,19 +82,8 @@ class VisionClassifier(ClassifierModule):
             twin.eval()(image)
         self.flops_per_sample = 3 * counter.get_total_flops()
 
-    def _channels_last(self, device: torch.device) -> bool:
-        return self.channels_last == "true" or (self.channels_last == "auto" and device.type == "cuda")
-
-    @override
-    def setup(self, stage: str) -> None:
-        # Before the strategy moves and wraps the model: the format survives the move to the device.
-        if self._channels_last(self.trainer.strategy.root_device):
-            self.to(memory_format=torch.channels_last)
-
     @override
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if self._channels_last(images.device):
-            images = images.contiguous(memory_format=torch.channels_last)
         if self.net is not None:
             return self.net(images)
         return self.head(self.blocks(self.stem(images)))

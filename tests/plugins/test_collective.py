@@ -102,7 +102,8 @@ def test_sync_batch_norm_on_cuda_converts_every_nested_batch_norm(spec_for):
     from runner.rank.build import lightning_strategy
     from runner.config.checks import plan_for
 
-    plan = plan_for(spec_for("collective.sync_batch_norm=true", TWO_RANKS, "trainer.accelerator=gpu"))
+    plan = plan_for(spec_for("collective.sync_batch_norm=true", TWO_RANKS, "trainer.accelerator=gpu",
+                             "trainer.benchmark=false"))  # the run settles cudnn.benchmark: the plan sets no other trainer argument
     args = {arg: claim["value"] for arg, claim in plan.trainer_args.items()}
     assert args == {"sync_batchnorm": True} and plan.trainer_args["sync_batchnorm"]["by"] == "collective"
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=lightning_strategy(plan), logger=False,

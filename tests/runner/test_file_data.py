@@ -4,6 +4,7 @@ token files from numpy, a folder of generated PNGs. Training on them: tests/test
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -63,6 +64,7 @@ def test_random_windows_start_anywhere_and_change_with_the_epoch_not_the_global_
 def test_ranks_take_disjoint_equal_shares_of_one_epochs_windows(token_files, windows):
     class Trainer:  # what the data reads of Lightning's trainer
         current_epoch = 0
+        strategy = SimpleNamespace(root_device=torch.device("cpu"))
 
         def __init__(self, rank):
             self.distributed_sampler_kwargs = {"num_replicas": 2, "rank": rank}

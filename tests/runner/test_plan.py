@@ -282,12 +282,30 @@ def test_sync_batch_norm_is_a_trainer_argument_on_cuda_and_the_device_is_asked_o
     def plan(trainer: TrainerConfig, collective: CollectiveConfig) -> Plan:
         return make_plan({}, trainer, lightfleet={"collective": collective.contribute}, cuda_available=cuda_available)
 
-    assert plan(TrainerConfig(), CollectiveConfig()).trainer_args == {} and not asked
-    assert plan(TrainerConfig(), CollectiveConfig(sync_batch_norm=True)).trainer_args == {
+    # trainer.benchmark set: nothing else asks the device (cudnn.benchmark is settled, see below).
+    assert plan(TrainerConfig(benchmark=False), CollectiveConfig()).trainer_args == {} and not asked
+    assert plan(TrainerConfig(benchmark=False), CollectiveConfig(sync_batch_norm=True)).trainer_args == {
         "sync_batchnorm": {"value": True, "by": "collective"}} and asked
     on_cpu = plan(TrainerConfig(accelerator="cpu"), CollectiveConfig(sync_batch_norm=True))
     assert on_cpu.trainer_args == {}  # DDP refuses SyncBatchNorm on CPU: the rank says so, once
     assert on_cpu.callbacks[0].component.kwargs["sync_batch_norm"] is True
+
+
+@pytest.mark.parametrize("cuda, trainer, tuned", [
+    (True, {}, True), (False, {}, False), (True, {"accelerator": "cpu"}, False), (True, {"benchmark": False}, False),
+    (True, {"deterministic": True}, False), (True, {"deterministic": "warn"}, False), (True, {"benchmark": True}, False)],
+    ids=["cuda", "no cuda", "cpu asked", "benchmark=false", "deterministic", "deterministic warn", "benchmark=true"])
+def test_a_cuda_run_turns_cudnn_benchmark_on_unless_the_run_settles_it_and_the_plan_says_why(cuda, trainer, tuned):
+    # A plain loop on a GPU runs convolutions with cudnn.benchmark (ResNet-50 on an H200: 0.90 without it).
+    plan = make_plan({}, TrainerConfig(**trainer), lightfleet={"collective": CollectiveConfig().contribute},
+                     cuda_available=lambda: cuda)
+    assert ("benchmark" in plan.trainer_args) == tuned
+    noted = [note for note in plan.notes if note.startswith("cudnn.benchmark on: a CUDA run")]
+    assert len(noted) == tuned
+    if tuned:
+        assert plan.trainer_args["benchmark"] == {"value": True, "by": "collective"}
+        assert "trainer.benchmark=false or trainer.deterministic=true keeps it off" in noted[0]
+        assert "note: cudnn.benchmark on: a CUDA run" in format_plan(plan)
 
 
 def test_cudnn_exhaustive_search_against_trainer_benchmark_false_is_refused_by_the_plan(spec_for):
