@@ -23,9 +23,13 @@ class CudaProbe(pl.Callback):
     """What rank 0 trained with, written into probe.json in the run directory at the end."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.dtypes = set()
+        self.dtypes, self.channels_last = set(), set()
         first = next(module for module in pl_module.modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)))
         first.register_forward_hook(lambda module, args, output: self.dtypes.add(str(output.dtype)))
+        first.register_forward_hook(lambda module, args, output: self.channels_last.add(
+            args[0].dim() == 4 and args[0].is_contiguous(memory_format=torch.channels_last)))
+        loader = trainer.fit_loop._combined_loader.flattened[0]
+        self.loader = {"pin_memory": loader.pin_memory, "num_workers": loader.num_workers}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank:
@@ -35,6 +39,7 @@ class CudaProbe(pl.Callback):
         seen: Dict[str, Any] = {
             "device": str(device), "backend": dist.get_backend() if dist.is_initialized() else None,
             "forward_dtypes": sorted(self.dtypes), "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "channels_last_inputs": sorted(self.channels_last), "loader": self.loader,
             "memory_fraction": torch.cuda.get_per_process_memory_fraction(device),
             "scaler": [cls.__module__ + "." + cls.__name__ for cls in type(scaler).__mro__] if scaler else [],
             "scale": float(scaler.get_scale()) if scaler else None}
@@ -86,3 +91,29 @@ def test_cudnn_benchmark_and_the_memory_fraction_apply(lightfleet, tmp_path):
     run = trained(lightfleet, tmp_path, "model=resnet", "data=images", "collective.cudnn_exhaustive_search=true",
                   "collective.gpu_memory_fraction=0.5")
     assert run["probe"]["cudnn_benchmark"] is True and run["probe"]["memory_fraction"] == 0.5
+
+
+def test_a_convolution_run_takes_the_data_path_of_a_plain_loop(lightfleet, tmp_path):
+    # Pinned batches from loader workers, channels-last inputs, cudnn.benchmark without being asked,
+    # and figures that tell the truth: the loader keeps up, the device hardly idles between batches.
+    run = trained(lightfleet, tmp_path, "model=resnet", "data=images", "data.input_shape=[3,64,64]",
+                  "data.batch_size=128", "strategy=[amp]")
+    probe, results = run["probe"], run["results"]
+    assert probe["cudnn_benchmark"] is True and probe["channels_last_inputs"] == [True]
+    assert probe["loader"]["pin_memory"] is True and probe["loader"]["num_workers"] >= 1
+    assert results["device_idle_fraction"] is not None
+    assert results["data_wait_fraction"] < 0.5  # loader time inside the fetch: not the host blocked on the device
+
+
+def test_no_micro_batch_synchronises_the_device_only_logging_steps_do(lightfleet, tmp_path):
+    # CUDA's own sync debug mode besides the aten ops (tests/test_runs.py counts those on a CPU).
+    from probe import reads_off_logging_steps
+
+    k, every = 4, 5
+    with_bar = [override for override in ONE_GPU if not override.startswith("trainer.enable_progress_bar")]
+    done = lightfleet(*with_bar, "model=gpt", "data=language_model", "strategy=[amp,gradient_merge]",
+                      "strategy.amp.dtype=bfloat16", f"strategy.gradient_merge.k_steps={k}",
+                      f"trainer.log_every_n_steps={every}", "+callbacks.syncs._target_=probe.SynchronisingCalls")
+    assert done.returncode == 0, done.stderr[-3000:]
+    windows = json.loads((tmp_path / "run" / "syncs.json").read_text())
+    assert reads_off_logging_steps(windows, k, every) == {}
