@@ -265,3 +265,17 @@ def test_waiting_for_data_is_the_loaders_own_time_not_time_blocked_after_the_fet
     else:
         assert summary["data_wait_s"] < 0.01 and summary["data_wait_fraction"] < 0.1
     assert summary["device_idle_fraction"] is None  # a CPU: the host's clock is the device's
+
+
+def test_an_evaluation_and_a_sanity_check_measure_nothing_and_fail_nothing(tmp_path):
+    # `lightfleet eval` validates without training, and fit's sanity check validates before it:
+    # the meter, which measures training, has nothing to pause there.
+    meter = RunMeter(warmup_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, num_sanity_val_steps=1, limit_val_batches=1,
+                         callbacks=[meter], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    model, data = MLPClassifier(), SyntheticClassificationData(batch_size=8)
+    trainer.validate(model, data, verbose=False)
+    assert meter.summary == {}
+    trainer.fit(model, data)
+    assert meter.summary["measured_steps"] == 1
