@@ -5,6 +5,11 @@ norm), in 1 and 2 processes over gloo on the CPU.
     python bench/auto_memory.py                        # bench/auto_memory.json, the table printed
     python bench/auto_memory.py --models gpt --world-sizes 2
 
+On a GPU, `estimate_for(overrides)` (below) gives auto's estimate for one composed run with its own
+strategies, planned for trainer.accelerator's device, to set beside torch.cuda.max_memory_allocated:
+
+    estimate_for(["experiment=gpt2_124m", "strategy.gradient_merge.k_steps=1", ...])["total"]  # bytes
+
 Each candidate is a run built as lightfleet builds it: the config composed from overrides, the
 plan made by the command's `plan_for`, the Trainer, model and data by the rank's `build`, trained
 for one optimizer step with `PeakMemory` (below) among its callbacks. All candidates of one model
@@ -16,7 +21,9 @@ Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a 
 local shard): parameters (the optimizer's and the module's, gathered ones included), gradients,
 optimizer states, and saved activations: what autograd saves for backward (saved_tensors_hooks)
 and still holds, plus, while recompute rebuilds a block in backward, what that block's forward
-made and still holds. Each kind's peak is the largest value seen at any saved-tensor pack or
+made and still holds, and, from the start of backward until the model's output has its gradient,
+what the loss's backward made and still holds (sampled after each of its ops; not seen inside the
+pipeline's schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-tensor pack or
 unpack, at the end of every module's forward, before the optimizer step and after it, over the
 first optimizer step (all its micro-batches); a rebuild runs its block's whole forward (checkpoint's
 early stop off: it would end the rebuild inside the block, once all the block saves is rebuilt,
@@ -36,7 +43,7 @@ import tempfile
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -106,17 +113,27 @@ def storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
 
 
 class Outputs(TorchDispatchMode):
-    """Keeps weak references to every tensor the ops make while it is on: what a block's
-    recomputation in backward makes and still holds."""
+    """Keeps weak references to every tensor the ops make while it is on and recording, calling
+    `after_op` after each: what a block's recomputation in backward makes and still holds, or the
+    loss's backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_op: Callable[[], None] = lambda: None) -> None:
         super().__init__()
         self.made: List[weakref.ref] = []
+        self.after_op = after_op
+        self.recording = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self.recording:
+            self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.after_op()
         return out
+
+    def stop(self) -> None:
+        """Records no more and forgets what it recorded (the mode stays on until its exit)."""
+        self.recording = False
+        self.made.clear()
 
     def alive(self) -> List[torch.Tensor]:
         return [t for t in (ref() for ref in self.made) if t is not None]
@@ -130,6 +147,7 @@ class PeakMemory(pl.Callback):
         self.peak = dict.fromkeys(KINDS, 0)
         self.saved: List[weakref.ref] = []
         self.rebuilding: List[Outputs] = []
+        self.loss_backward: List[Outputs] = []
         self.hooks: Any = None
         self.handles: List[Any] = []
         self.trainer: Optional[pl.Trainer] = None
@@ -143,7 +161,7 @@ class PeakMemory(pl.Callback):
         held = {"parameters": storages(parameters),
                 "gradients": storages(p.grad for p in parameters if p.grad is not None)}
         activations = [t for t in (ref() for ref in self.saved) if t is not None]
-        activations += [t for outputs in self.rebuilding for t in outputs.alive()]
+        activations += [t for outputs in (*self.rebuilding, *self.loss_backward) for t in outputs.alive()]
         held["activations"] = {ptr: size for ptr, size in storages(activations).items()
                                if ptr not in held["parameters"] and ptr not in held["gradients"]}
         if optimizer_states:
@@ -172,9 +190,28 @@ class PeakMemory(pl.Callback):
                 inner = module._checkpoint_wrapped_module
                 self.handles += [inner.register_forward_pre_hook(lambda *_: self.start_rebuild()),
                                  inner.register_forward_hook(lambda *_: self.end_rebuild())]
+        self.handles.append(pl_module.register_forward_hook(self.watch_output))
         self.hooks = contextlib.ExitStack()
         self.hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
         self.hooks.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+
+    def watch_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self.end_loss_backward)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.hooks is not None:  # the loss's backward: what it makes, sampled after every op
+            self.loss_backward.append(Outputs(after_op=self.sample))
+            self.loss_backward[-1].__enter__()
+
+    def end_loss_backward(self, grad: torch.Tensor) -> None:
+        """The model's output has its gradient: the loss's backward is over."""
+        if self.loss_backward:
+            self.loss_backward[-1].stop()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.loss_backward:
+            self.loss_backward.pop().__exit__(None, None, None)
 
     def start_rebuild(self) -> None:
         if torch._C._current_graph_task_id() != -1:  # in backward: checkpoint recomputes the block
@@ -248,6 +285,27 @@ def estimates(model: str, world_size: int) -> List[Dict[str, Any]]:
              "micro_batch": micro_batch(spec.batch_size, c.strategies),
              "estimate": {kind: getattr(c.memory, kind) for kind in KINDS}}
             for c in candidates(facts, AutoConfig(), load_table().allowed)]
+
+
+def estimate_for(overrides: List[str]) -> Dict[str, float]:
+    """auto's memory estimate per process, in bytes, of the run these overrides compose with the
+    strategies it selects (none chosen: `runner.strategies.auto.estimate` on the facts
+    `runner.command.autotune.run_facts` gathers, as `strategy=[auto]` estimates its candidates), by
+    kind (KINDS) and in total; planned for trainer.accelerator's device (gpu: cuda) on whatever
+    machine runs it. Under gradient merging a run's data.batch_size is one micro-batch of k a
+    step, while auto's facts are of the step's batch, which its gradient_merge candidates split:
+    the facts are gathered at k x data.batch_size."""
+    from runner.command.autotune import run_facts
+    from runner.config.checks import validate
+    from runner.config.compose import compose_config
+    from runner.strategies.auto import estimate
+
+    spec = validate(compose_config(overrides))
+    merged = getattr(spec.strategies.get("gradient_merge"), "k_steps", 1)
+    if merged > 1:
+        spec = validate(compose_config([*overrides, f"data.batch_size={spec.batch_size * merged}"]))
+    memory, _ = estimate(run_facts(spec, device_memory_gb=None), spec.strategies)
+    return {**{kind: getattr(memory, kind) for kind in KINDS}, "total": memory.total}
 
 
 def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: Path, timeout: float = 1200) -> None:
