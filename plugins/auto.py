@@ -244,7 +244,8 @@ def loss_backward(model: nn.Module, outputs: Any, targets: Any, mode: FakeTensor
     very start of backward, on top of everything saved, the gradients of the loss's own tensors (a
     language model's log-softmax over its vocabulary: one or two float32 logits, by the device's
     autocast rules). Counted by torch's MemTracker on fake tensors, the loss taken of a copy of
-    `outputs` that backward stops at."""
+    `outputs` that backward stops at; 0 for a loss without a gradient, or with a custom autograd
+    Function (its node runs only inside the engine)."""
     saved: List[Saved] = []
     unpacked: List[Saved] = []
 
@@ -252,44 +253,53 @@ def loss_backward(model: nn.Module, outputs: Any, targets: Any, mode: FakeTensor
         unpacked.append(held)
         return held.tensor
 
+    def release_unpacked() -> None:  # as the engine releases a node's saved tensors once it ran
+        for held in unpacked:
+            held.tensor = None
+        unpacked.clear()
+
     with mode:
         logits = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t).requires_grad_(t.requires_grad), outputs)
     with mode, autocast_rules(device, autocast), torch.autograd.graph.saved_tensors_hooks(
             lambda tensor: saved.append(Saved(tensor)) or saved[-1], unpack):
         loss = model.loss(logits, targets)
+    waiting = incoming_gradients(loss.grad_fn) if loss.grad_fn is not None else Counter()
+    if loss.grad_fn is None or not all(map(callable, (loss.grad_fn, *waiting))):
+        return 0
     tracker = MemTracker()
     tracker.track_external(logits, *(held.tensor for held in saved))
     before = tracked_bytes(tracker.get_tracker_snapshot())
     with mode, tracker:
-        backward_node_by_node(loss, released=lambda: [held.release() for held in unpacked] and unpacked.clear())
+        backward_node_by_node(loss, waiting, release_unpacked)
     return tracked_bytes(tracker.get_tracker_snapshot("peak")) - before
 
 
 @dataclass
 class Saved:
-    """A tensor saved for backward, held here so that backward_node_by_node can let it go once the
-    node that unpacked it ran, as the autograd engine releases a node's saved tensors."""
+    """A tensor saved for backward, held here so that loss_backward can let it go once the node
+    that unpacked it ran."""
 
     tensor: Optional[torch.Tensor]
 
-    def release(self) -> None:
-        self.tensor = None
 
-
-def backward_node_by_node(loss: torch.Tensor, released: Callable[[], Any]) -> None:
-    """Backward from `loss` to the leaves, each node run once all its gradients have come, its
-    gradients let go once it ran and, through `released`, the saved tensors it unpacked: the
-    order and the lifetimes of torch's autograd engine, which cannot run here, as it asks a CUDA
-    device for its streams even for fake tensors. The leaves' gradients are not accumulated."""
+def incoming_gradients(root: Any) -> Counter:
+    """Each autograd node after `root` -> how many gradients come to it in backward from `root`."""
     waiting: Counter = Counter()
-    found, stack = {loss.grad_fn}, [loss.grad_fn]
+    stack = [root]
     while stack:
         for child, _ in stack.pop().next_functions:
             if child is not None:
-                waiting[child] += 1
-                if child not in found:
-                    found.add(child)
+                if child not in waiting:
                     stack.append(child)
+                waiting[child] += 1
+    return waiting
+
+
+def backward_node_by_node(loss: torch.Tensor, waiting: Counter, released: Callable[[], None]) -> None:
+    """Backward from `loss` to the leaves, each node run once all its gradients (`waiting`) have
+    come, its gradients let go once it ran and, through `released`, the saved tensors it unpacked:
+    the order and the lifetimes of torch's autograd engine, which cannot run here, as it asks a
+    CUDA device for its streams even for fake tensors. The leaves' gradients are not accumulated."""
     gradients = {loss.grad_fn: [torch.ones_like(loss)]}
     ready = [loss.grad_fn]
     while ready:
@@ -309,7 +319,7 @@ def hand_on(node: Any, outputs: Any, gradients: Dict[Any, list], waiting: Counte
     for (child, slot), gradient in zip(node.next_functions, outputs if isinstance(outputs, tuple) else (outputs,)):
         if child is None:
             continue
-        buffer = gradients.setdefault(child, [None] * len(child._input_metadata))
+        buffer = gradients.setdefault(child, [None] * len(child._input_metadata))  # one a node's input
         buffer[slot] = gradient if buffer[slot] is None or gradient is None else buffer[slot] + gradient
         waiting[child] -= 1
         if not waiting[child]:
