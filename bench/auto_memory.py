@@ -17,18 +17,17 @@ and world size run in one set of ranks (torch.distributed.run), one after anothe
 `runner.strategies.auto.candidates` on the facts `plugins.auto.gather_facts` gathers for the run
 (`device_memory_gb` set tiny so that nothing fits and gradient merging is listed everywhere).
 
-Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its
-local shard): parameters (the optimizer's and the module's, gathered ones included), gradients,
-optimizer states, and saved activations: what autograd saves for backward (saved_tensors_hooks)
-and still holds, plus, while recompute rebuilds a block in backward, what that block's forward
-made and still holds, and, from the start of backward until the model's output has its gradient,
-what the loss's backward made and still holds (sampled after each of its ops; not seen inside the
-pipeline's schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-tensor pack or
-unpack, at the end of every module's forward, before the optimizer step and after it, over the
-first optimizer step (all its micro-batches); a rebuild runs its block's whole forward (checkpoint's
-early stop off: it would end the rebuild inside the block, once all the block saves is rebuilt,
-before the block's forward ends, where the rebuild is counted; what is saved is the same). The
-busiest rank's peak is the one reported.
+Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its local
+shard): parameters (the optimizer's and the module's, gathered ones included), gradients, optimizer
+states, and saved activations: what autograd saves for backward (saved_tensors_hooks) and still
+holds, plus, while recompute rebuilds a block in backward, what that block's forward made and still
+holds, and the gradients the loss's backward made and still holds (not seen inside the pipeline's
+schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-
+tensor pack or unpack, after each node of the loss's backward, at the end of every module's forward,
+before the optimizer step and after it, over the first optimizer step (all its micro-batches); a
+rebuild runs its block's whole forward (checkpoint's early stop off: it would end the rebuild inside
+the block, once all the block saves is rebuilt, before the block's forward ends, where the rebuild
+is counted; what is saved is the same). The busiest rank's peak is the one reported.
 """
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ import tempfile
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -113,27 +112,17 @@ def storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
 
 
 class Outputs(TorchDispatchMode):
-    """Keeps weak references to every tensor the ops make while it is on and recording, calling
-    `after_op` after each: what a block's recomputation in backward makes and still holds, or the
-    loss's backward."""
+    """Keeps weak references to every tensor the ops make while it is on: what a block's
+    recomputation in backward makes and still holds."""
 
-    def __init__(self, after_op: Callable[[], None] = lambda: None) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.made: List[weakref.ref] = []
-        self.after_op = after_op
-        self.recording = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.recording:
-            self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.after_op()
+        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         return out
-
-    def stop(self) -> None:
-        """Records no more and forgets what it recorded (the mode stays on until its exit)."""
-        self.recording = False
-        self.made.clear()
 
     def alive(self) -> List[torch.Tensor]:
         return [t for t in (ref() for ref in self.made) if t is not None]
@@ -147,7 +136,8 @@ class PeakMemory(pl.Callback):
         self.peak = dict.fromkeys(KINDS, 0)
         self.saved: List[weakref.ref] = []
         self.rebuilding: List[Outputs] = []
-        self.loss_backward: List[Outputs] = []
+        self.loss_gradients: List[weakref.ref] = []  # made by the loss's backward, this micro-batch
+        self.output: Any = None  # the model's output's autograd node, this micro-batch
         self.hooks: Any = None
         self.handles: List[Any] = []
         self.trainer: Optional[pl.Trainer] = None
@@ -161,7 +151,8 @@ class PeakMemory(pl.Callback):
         held = {"parameters": storages(parameters),
                 "gradients": storages(p.grad for p in parameters if p.grad is not None)}
         activations = [t for t in (ref() for ref in self.saved) if t is not None]
-        activations += [t for outputs in (*self.rebuilding, *self.loss_backward) for t in outputs.alive()]
+        activations += [t for outputs in self.rebuilding for t in outputs.alive()]
+        activations += [t for t in (ref() for ref in self.loss_gradients) if t is not None]
         held["activations"] = {ptr: size for ptr, size in storages(activations).items()
                                if ptr not in held["parameters"] and ptr not in held["gradients"]}
         if optimizer_states:
@@ -196,22 +187,29 @@ class PeakMemory(pl.Callback):
         self.hooks.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
 
     def watch_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self.end_loss_backward)
+        # Not a scalar: Lightning may run training_step through the module's call, the loss out.
+        if isinstance(output, torch.Tensor) and output.requires_grad and output.dim():
+            self.output = output.grad_fn
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self.hooks is not None:  # the loss's backward: what it makes, sampled after every op
-            self.loss_backward.append(Outputs(after_op=self.sample))
-            self.loss_backward[-1].__enter__()
+        """Watches the loss's backward: each node from the loss down to the model's output samples
+        once it ran, its gradients in and out (and its saved tensors) still held."""
+        if self.hooks is None or self.output is None:
+            return
+        stack, seen = [loss.grad_fn], {self.output}
+        while stack:
+            node = stack.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                self.handles.append(node.register_hook(self.loss_backward_ran))
+                stack += [child for child, _ in node.next_functions]
 
-    def end_loss_backward(self, grad: torch.Tensor) -> None:
-        """The model's output has its gradient: the loss's backward is over."""
-        if self.loss_backward:
-            self.loss_backward[-1].stop()
+    def loss_backward_ran(self, gradients_in: Any, gradients_out: Any) -> None:
+        self.loss_gradients += [weakref.ref(g) for g in gradients_in if g is not None]
+        self.sample()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.loss_backward:
-            self.loss_backward.pop().__exit__(None, None, None)
+        self.loss_gradients, self.output = [], None
 
     def start_rebuild(self) -> None:
         if torch._C._current_graph_task_id() != -1:  # in backward: checkpoint recomputes the block
