@@ -5,6 +5,11 @@ norm), in 1 and 2 processes over gloo on the CPU.
     python bench/auto_memory.py                        # bench/auto_memory.json, the table printed
     python bench/auto_memory.py --models gpt --world-sizes 2
 
+On a GPU, `estimate_for(overrides)` (below) gives auto's estimate for one composed run with its own
+strategies, planned for trainer.accelerator's device, to set beside torch.cuda.max_memory_allocated:
+
+    estimate_for(["experiment=gpt2_124m", "strategy.gradient_merge.k_steps=1", ...])["total"]  # bytes
+
 Each candidate is a run built as lightfleet builds it: the config composed from overrides, the
 plan made by the command's `plan_for`, the Trainer, model and data by the rank's `build`, trained
 for one optimizer step with `PeakMemory` (below) among its callbacks. All candidates of one model
@@ -12,16 +17,17 @@ and world size run in one set of ranks (torch.distributed.run), one after anothe
 `runner.strategies.auto.candidates` on the facts `plugins.auto.gather_facts` gathers for the run
 (`device_memory_gb` set tiny so that nothing fits and gradient merging is listed everywhere).
 
-Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its
-local shard): parameters (the optimizer's and the module's, gathered ones included), gradients,
-optimizer states, and saved activations: what autograd saves for backward (saved_tensors_hooks)
-and still holds, plus, while recompute rebuilds a block in backward, what that block's forward
-made and still holds. Each kind's peak is the largest value seen at any saved-tensor pack or
-unpack, at the end of every module's forward, before the optimizer step and after it, over the
-first optimizer step (all its micro-batches); a rebuild runs its block's whole forward (checkpoint's
-early stop off: it would end the rebuild inside the block, once all the block saves is rebuilt,
-before the block's forward ends, where the rebuild is counted; what is saved is the same). The
-busiest rank's peak is the one reported.
+Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its local
+shard): parameters (the optimizer's and the module's, gathered ones included), gradients, optimizer
+states, and saved activations: what autograd saves for backward (saved_tensors_hooks) and still
+holds, plus, while recompute rebuilds a block in backward, what that block's forward made and still
+holds, and the gradients the loss's backward made and still holds (not seen inside the pipeline's
+schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-
+tensor pack or unpack, after each node of the loss's backward, at the end of every module's forward,
+before the optimizer step and after it, over the first optimizer step (all its micro-batches); a
+rebuild runs its block's whole forward (checkpoint's early stop off: it would end the rebuild inside
+the block, once all the block saves is rebuilt, before the block's forward ends, where the rebuild
+is counted; what is saved is the same). The busiest rank's peak is the one reported.
 """
 from __future__ import annotations
 
@@ -130,6 +136,8 @@ class PeakMemory(pl.Callback):
         self.peak = dict.fromkeys(KINDS, 0)
         self.saved: List[weakref.ref] = []
         self.rebuilding: List[Outputs] = []
+        self.loss_gradients: List[weakref.ref] = []  # made by the loss's backward, this micro-batch
+        self.output: Any = None  # the model's output's autograd node, this micro-batch
         self.hooks: Any = None
         self.handles: List[Any] = []
         self.trainer: Optional[pl.Trainer] = None
@@ -144,6 +152,7 @@ class PeakMemory(pl.Callback):
                 "gradients": storages(p.grad for p in parameters if p.grad is not None)}
         activations = [t for t in (ref() for ref in self.saved) if t is not None]
         activations += [t for outputs in self.rebuilding for t in outputs.alive()]
+        activations += [t for t in (ref() for ref in self.loss_gradients) if t is not None]
         held["activations"] = {ptr: size for ptr, size in storages(activations).items()
                                if ptr not in held["parameters"] and ptr not in held["gradients"]}
         if optimizer_states:
@@ -172,9 +181,35 @@ class PeakMemory(pl.Callback):
                 inner = module._checkpoint_wrapped_module
                 self.handles += [inner.register_forward_pre_hook(lambda *_: self.start_rebuild()),
                                  inner.register_forward_hook(lambda *_: self.end_rebuild())]
+        self.handles.append(pl_module.register_forward_hook(self.watch_output))
         self.hooks = contextlib.ExitStack()
         self.hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
         self.hooks.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+
+    def watch_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Not a scalar: Lightning may run training_step through the module's call, the loss out.
+        if isinstance(output, torch.Tensor) and output.requires_grad and output.dim():
+            self.output = output.grad_fn
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """Watches the loss's backward: each node from the loss down to the model's output samples
+        once it ran, its gradients in and out (and its saved tensors) still held."""
+        if self.hooks is None or self.output is None:
+            return
+        stack, seen = [loss.grad_fn], {self.output}
+        while stack:
+            node = stack.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                self.handles.append(node.register_hook(self.loss_backward_ran))
+                stack += [child for child, _ in node.next_functions]
+
+    def loss_backward_ran(self, gradients_in: Any, gradients_out: Any) -> None:
+        self.loss_gradients += [weakref.ref(g) for g in gradients_in if g is not None]
+        self.sample()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.loss_gradients, self.output = [], None
 
     def start_rebuild(self) -> None:
         if torch._C._current_graph_task_id() != -1:  # in backward: checkpoint recomputes the block
@@ -248,6 +283,27 @@ def estimates(model: str, world_size: int) -> List[Dict[str, Any]]:
              "micro_batch": micro_batch(spec.batch_size, c.strategies),
              "estimate": {kind: getattr(c.memory, kind) for kind in KINDS}}
             for c in candidates(facts, AutoConfig(), load_table().allowed)]
+
+
+def estimate_for(overrides: List[str]) -> Dict[str, float]:
+    """auto's memory estimate per process, in bytes, of the run these overrides compose with the
+    strategies it selects (none chosen: `runner.strategies.auto.estimate` on the facts
+    `runner.command.autotune.run_facts` gathers, as `strategy=[auto]` estimates its candidates), by
+    kind (KINDS) and in total; planned for trainer.accelerator's device (gpu: cuda) on whatever
+    machine runs it. Under gradient merging a run's data.batch_size is one micro-batch of k a
+    step, while auto's facts are of the step's batch, which its gradient_merge candidates split:
+    the facts are gathered at k x data.batch_size."""
+    from runner.command.autotune import run_facts
+    from runner.config.checks import validate
+    from runner.config.compose import compose_config
+    from runner.strategies.auto import estimate
+
+    spec = validate(compose_config(overrides))
+    merged = getattr(spec.strategies.get("gradient_merge"), "k_steps", 1)
+    if merged > 1:
+        spec = validate(compose_config([*overrides, f"data.batch_size={spec.batch_size * merged}"]))
+    memory, _ = estimate(run_facts(spec, device_memory_gb=None), spec.strategies)
+    return {**{kind: getattr(memory, kind) for kind in KINDS}, "total": memory.total}
 
 
 def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: Path, timeout: float = 1200) -> None:

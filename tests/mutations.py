@@ -323,7 +323,7 @@ MUTANTS = [
            '{"overrides": command, "reason": str(problem)})\n        return 0.0\n',
            (select("tests/test_hydra_app.py", "refused_trial"),)),
     Mutant("auto-facts-no-activations", "runner", "auto's facts leave out the activations",
-           "plugins/auto.py", "saved = saved_activations(model, first_batch(datamodule), block_list)",
+           "plugins/auto.py", "saved = saved_activations(model, first_batch(datamodule), block_list, device)",
            "saved = None",
            (select("tests/plugins/test_auto.py", "activations"),)),
     Mutant("fuse-all-reduce-ignored", "runner", "collective.fuse_all_reduce_ops=false is ignored",

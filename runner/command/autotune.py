@@ -100,15 +100,20 @@ def reasons(choice: Choice) -> List[str]:
 
 def facts_and_candidates(spec: RunSpec, auto: AutoConfig) -> Tuple[Facts, List[Candidate]]:
     """The facts of this run and its candidates, those the plan refuses marked so."""
-    world = World.of(spec.trainer)
-    facts = gather_facts(lambda: instantiate_checked("model", spec.cfg.model), instantiate_checked("data", spec.cfg.data),
-                         device=device_type(spec.trainer.accelerator),
-                         world_size=world.known_size("auto"), num_nodes=world.num_nodes,
-                         batch_size=spec.batch_size, device_memory_gb=auto.device_memory_gb)
+    facts = run_facts(spec, auto.device_memory_gb)
     listed = candidates(facts, auto, load_table().allowed)
     for c in listed:
         refuse_unplannable(spec, c)
     return facts, listed
+
+
+def run_facts(spec: RunSpec, device_memory_gb: Optional[float]) -> Facts:
+    """The facts of this run (plugins/auto.py), planned for trainer.accelerator's device on
+    whatever machine plans it (auto: this machine's)."""
+    world = World.of(spec.trainer)
+    return gather_facts(lambda: instantiate_checked("model", spec.cfg.model), instantiate_checked("data", spec.cfg.data),
+                        device=device_type(spec.trainer.accelerator), world_size=world.known_size("auto"),
+                        num_nodes=world.num_nodes, batch_size=spec.batch_size, device_memory_gb=device_memory_gb)
 
 
 def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: Path, command: Sequence[str],

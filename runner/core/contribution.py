@@ -126,8 +126,10 @@ SAVED_PRECISIONS = ("float32", "autocast", "autocast_16bit_parameters")
 # Facts.saved's parts: all of it; what the head after the last repeated block saves (freed before
 # recompute rebuilds a block); what the blocks save and nothing outside them does; the blocks'
 # inputs not saved elsewhere (what recompute keeps); the largest block's own (what recompute
-# rebuilds at once in backward).
-SAVED_PARTS = ("total", "head", "in_blocks", "block_inputs", "largest_block")
+# rebuilds at once in backward); and, not saved but held on top of all that at the start of
+# backward, the most bytes the loss's backward holds at once (the gradients of its float32
+# log-softmax: twice the float32 logits of a language model).
+SAVED_PARTS = ("total", "head", "in_blocks", "block_inputs", "largest_block", "loss_backward")
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,9 @@ class Memory:
     def held_activations(self, facts: Facts) -> float:
         """The activation bytes held at the peak: the micro-batches alive, each of this stage's share
         of the layers at its fraction of the batch; what does not shrink with the batch (the weights'
-        16-bit copies, made once per step) counted once; with recompute, the blocks' inputs, and while
-        one block of one micro-batch is rebuilt, that block's own, the head's freed by then."""
+        16-bit copies, made once per step) counted once; with recompute, the blocks' inputs; and on
+        top, the larger of what the loss's backward holds at once (one micro-batch's) and, with
+        recompute, what rebuilding one block of one micro-batch holds (the head's freed by then)."""
         if facts.saved is None:  # written by hand: even blocks, everything 16-bit under autocast
             kept = min(1.0, 2 / facts.blocks) if self.recompute and facts.blocks else 1.0
             return (facts.activation_bytes * (0.5 if self.autocast else 1.0) * kept * self.micro_batch_fraction
@@ -176,15 +179,20 @@ class Memory:
         def per_micro_batch(part: str) -> float:  # the part of one micro-batch that grows with it
             return self.micro_batch_fraction * (split[part] - fixed(part))
 
+        def of_one_micro_batch(part: str) -> float:
+            return fixed(part) + per_micro_batch(part)
+
         # What stays saved through backward: all of it, or with recompute the blocks' inputs in place of their own.
         kept = {"total": 1} if not self.recompute else {"total": 1, "in_blocks": -1, "block_inputs": 1}
         steady = self.stage_share * sum(sign * (fixed(part) + self.micro_batches_alive * per_micro_batch(part))
                                         for part, sign in kept.items())
-        if not self.recompute:
-            return steady
-        rebuilt = fixed("largest_block") + per_micro_batch("largest_block")
-        head = fixed("head") + per_micro_batch("head")
-        return steady + max(0.0, rebuilt - self.stage_share * head)
+        # Two moments of backward: the loss's, first, with everything saved still held (on the last
+        # stage, which computes the whole loss: no stage's share); and with recompute, a block's
+        # rebuild, later, once the loss's gradients and the head's saved tensors are freed. The
+        # peak is the larger.
+        rebuilt = (of_one_micro_batch("largest_block") - self.stage_share * of_one_micro_batch("head")
+                   if self.recompute else 0.0)
+        return steady + max(of_one_micro_batch("loss_backward"), rebuilt)
 
 
 class Strategy:
