@@ -229,7 +229,7 @@ def test_the_plan_names_compile_foreach_ddp_arguments_the_timeout_and_the_runner
                  "  timeout_s=30.0  <- collective",
                  "optimizer transforms (in order, after any replacement):",
                  "  plugins.collective:use_foreach()  <- collective",
-                 "  1. [compile] plugins.collective:compile_model()  <- collective",
+                 "  1. [compile] plugins.fast_path:compile_model(mode='default')  <- collective",
                  "  benchmark=True  <- collective",
                  "  (the config's callbacks.*)",
                  "  plugins.collective:CollectiveSetup(num_threads=2, gpu_memory_fraction=None, "
@@ -244,7 +244,7 @@ def test_the_plan_names_compile_foreach_ddp_arguments_the_timeout_and_the_runner
     assert [(c["by"], c["component"]["target"]) for c in saved["optimizer_transforms"]] == [
         ("collective", "plugins.collective:use_foreach")]
     assert [(c["by"], c["phase"], c["component"]["target"]) for c in saved["model_transforms"]] == [
-        ("collective", "compile", "plugins.collective:compile_model")]
+        ("collective", "compile", "plugins.fast_path:compile_model")]
     assert [(c["by"], c["phase"], c["component"]["target"]) for c in saved["callbacks"]] == [
         ("collective", AFTER_USER, "plugins.collective:CollectiveSetup"),
         *(("lightfleet", AFTER_USER, target) for target in RUNNER_CALLBACKS)]
