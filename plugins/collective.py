@@ -5,8 +5,8 @@ and runner/rank/build.py carries them out with the rest of it:
 - lightfleet's DDP (plugins.ddp.build_ddp): bucket_cap_mb and find_unused_parameters; every
   Lightning strategy: the process group's timeout;
 - Trainer arguments: sync_batchnorm (SyncBatchNorm) and benchmark (cudnn.benchmark);
-- op fusion: `compile_model`, the plan's last model transform; optimizer fusion: `use_foreach`,
-  an optimizer transform;
+- op fusion: the fast path's compile (plugins/fast_path.py), the plan's last model transform;
+  optimizer fusion: `use_foreach`, an optimizer transform;
 - `CollectiveSetup`, a callback, once each rank has its device: torch's threads, the CUDA memory
   fraction, and one info line for a knob this device cannot apply.
 Knobs torch has no counterpart for are accepted and do nothing (docs/collective.md says why);
@@ -14,16 +14,13 @@ Knobs torch has no counterpart for are accepted and do nothing (docs/collective.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, List, Optional
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_only
-from torch import nn
 from torch.optim import Optimizer
 
-from plugins.transforms import ModelContext
+from plugins.fast_path import say, set_foreach
 from runner.config.collective import OP_FUSION_FLAGS, UNFUSED_BUCKET_MB, CollectiveConfig, collective_knobs
 
 # What a knob set away from its default does, by its key under collective.
@@ -41,31 +38,11 @@ MECHANISM = {
 }
 
 
-@rank_zero_only
-def say(line: str) -> None:
-    print(f"lightfleet: {line}", file=sys.stderr, flush=True)
-
-
-def compile_model(part: nn.Module, context: ModelContext) -> List[str]:
-    """The plan's last model transform: compile `part` in place (nn.Module.compile), so the
-    LightningModule's calls of itself run the compiled graph and DDP still wraps the same module
-    object."""
-    if context.strategy is None:  # the model alone, checked in the command (runner/rank/build.py): nothing to check
-        return []
-    part.compile(mode="default")
-    return [type(part).__name__]
-
-
 def use_foreach(optimizer: Optimizer) -> Optimizer:
-    """Switch the optimizer to its foreach (multi-tensor) implementation: torch's optimizers read
-    `foreach` from the param groups at every step, so it can be set after construction."""
-    if "foreach" not in optimizer.defaults:
+    """The optimizer on its foreach (multi-tensor) implementation, where it has one."""
+    if not set_foreach(optimizer):
         say(f"collective.build_strategy.fuse_all_optimizer_ops: {type(optimizer).__name__} has no foreach "
             "implementation; no effect")
-        return optimizer
-    optimizer.defaults["foreach"] = True
-    for group in optimizer.param_groups:
-        group["foreach"] = True
     return optimizer
 
 

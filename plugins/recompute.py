@@ -50,6 +50,10 @@ def _checkpoint(module: nn.Module, *args, offload: bool, pin_memory: bool, **kwa
     # The checkpoint saves its inputs under the saved-tensor hooks active when it is entered
     # (save_on_cpu here), and everything computed inside under its own hooks (recomputed).
     with save_on_cpu(pin_memory=pin_memory) if offload else contextlib.nullcontext():
+        if torch.compiler.is_compiling():
+            # torch.compile takes no context_fn but its own, and needs none: its recomputation
+            # replays the block's computation without its buffer updates, which run once.
+            return checkpoint(module, *args, use_reentrant=False, **kwargs)
         return checkpoint(module, *args, use_reentrant=False,
                           context_fn=functools.partial(_keep_running_stats, module), **kwargs)
 

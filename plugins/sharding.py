@@ -9,7 +9,6 @@ a stage 1 file) into one ordinary checkpoint file. Details: docs/strategies.md#s
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugins.ddp import FleetDDPStrategy, process_group_timeout
+from plugins.fast_path import constructor_defaults
 from plugins.layerwise import NO_WEIGHT_DECAY
 from plugins.modules import float_buffer_modules, repeated_block_list
 from plugins.transforms import ModelContext
@@ -73,10 +73,8 @@ def shard_optimizer_states(optimizer: Optimizer, group: Any) -> FleetZeroRedunda
 
     The class's constructor gets the defaults it accepts; the groups carry the rest.
     """
-    accepted = inspect.signature(type(optimizer)).parameters
-    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
     return FleetZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer),
-                                        process_group=group, **defaults)
+                                        process_group=group, **constructor_defaults(optimizer))
 
 
 def shard_strategy_optimizers(strategy: Strategy, group: Any) -> None:

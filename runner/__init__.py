@@ -28,4 +28,5 @@ LAYERS = (
     ("command", "train", "__main__"),
 )
 # What imports neither torch, Lightning, Hydra nor OmegaConf: a refused command never loads them.
-PURE = ("core", "strategies", "config.schema", "config.collective", "config.compat", "config.knobs")
+PURE = ("core", "strategies", "config.schema", "config.collective", "config.fast_path", "config.compat",
+        "config.knobs")

@@ -117,3 +117,27 @@ def test_no_micro_batch_synchronises_the_device_only_logging_steps_do(lightfleet
     assert done.returncode == 0, done.stderr[-3000:]
     windows = json.loads((tmp_path / "run" / "syncs.json").read_text())
     assert reads_off_logging_steps(windows, k, every) == {}
+
+
+FAST_PATH_PROBE = "+callbacks.fast_path._target_=test_fast_path.FastPathProbe"
+BF16_GPT = ("model=gpt", "data=language_model", "strategy=[amp]", "strategy.amp.dtype=bfloat16")
+
+
+def fast_path_seen(tmp_path: Path) -> Dict[str, Any]:
+    return json.loads((tmp_path / "run" / "fast_path.rank0.json").read_text())
+
+
+def test_the_fast_paths_defaults_fuse_the_optimizer_and_flash_attention_runs(lightfleet, tmp_path):
+    trained(lightfleet, tmp_path, *BF16_GPT, FAST_PATH_PROBE, "fast_path.attention=flash")
+    seen = fast_path_seen(tmp_path)
+    assert (seen["optimizer"], seen["fused"]) == ("AdamW", [True])  # fast_path.fused_optimizer=auto
+    assert seen["attention"] == {"_scaled_dot_product_flash_attention": 2,
+                                 "_scaled_dot_product_flash_attention_backward": 2}
+
+
+def test_a_compiled_model_trains_in_bf16(lightfleet, tmp_path):
+    run = trained(lightfleet, tmp_path, *BF16_GPT, FAST_PATH_PROBE, "+callbacks.fast_path.count_attention=false",
+                  "fast_path.compile=true")
+    seen = fast_path_seen(tmp_path)
+    assert seen["compiled"] is True and seen["dynamo_graphs"] >= 1 and seen["fused"] == [True]
+    assert run["results"]["train_loss"] == run["results"]["train_loss"]  # not NaN

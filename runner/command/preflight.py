@@ -216,7 +216,8 @@ STAGES = (
           table),
     Stage("plan", "the strategies' contributions combined: one claim per exclusive slot, trainer arguments "
           "against the user's, degrees against the world size, the collective knobs against the trainer, "
-          "pipeline schedules against the backend and gradient clipping", plan),
+          "pipeline schedules against the backend and gradient clipping, the fast path against the strategies "
+          "(compile, the fused optimizer) and the device (the attention kernel)", plan),
     Stage("world and devices", "multi-node rendezvous variables; the accelerator and devices this machine "
           "has (GPU count and ids, device ids on CPU)", world_and_devices),
     Stage("targets and the model on the meta device", "the model and the data are a LightningModule and a "
@@ -242,6 +243,8 @@ RANK_ONLY = (
     "what needs the process group: how many split points each pipeline stage takes, DDP/FSDP wrapping, "
     "the communication hooks' state (dgc)",
     "the loggers and the callbacks, instantiated in each rank",
+    "whether torch has a fused step for the optimizer the model builds and for its parameters "
+    "(fast_path.fused_optimizer: one log line where it has none)",
     "the user's code itself: forward, loss, data loading",
 )
 JOB_STAGES = tuple(stage for stage in STAGES if stage.per_job)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, is_dataclass
+from functools import partial
 from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -51,7 +52,8 @@ def check_schema(cfg: DictConfig) -> RunSpec:
         # added with `+key=` would pass the schema unseen.
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
         merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), plain)
-        knobs = {node: OmegaConf.to_object(merged[node]) for node in ("measure", "collective", "parameter_server")}
+        knobs = {node: OmegaConf.to_object(merged[node])
+                 for node in ("measure", "collective", "parameter_server", "fast_path")}
         strategies = selected_strategies(merged)
         trainer = OmegaConf.to_object(merged.trainer)
         for key, node in [*knobs.items(), ("trainer", trainer), *((f"strategy.{n}", k) for n, k in strategies.items())]:
@@ -179,7 +181,9 @@ def plan_for(spec: RunSpec) -> Plan:
     auto's candidates come from the table's rows): the one place plans are made (by the command, for
     the run and for auto's trials; ranks read the plan.yaml it saves). Besides the
     strategies', lightfleet's own contributions: the collective knobs' (their cross-field rule
-    against trainer.benchmark refuses here) and the runner's callbacks."""
+    against trainer.benchmark refuses here), the fast path's (refused beside a strategy it cannot
+    serve; the collective fusion flags' compile is its compile, in its mode) and the runner's
+    callbacks."""
     measure = OmegaConf.to_object(spec.cfg.measure)
     runner_callbacks = Contribution(callbacks=[
         *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
@@ -193,9 +197,12 @@ def plan_for(spec: RunSpec) -> Plan:
 
         return torch.cuda.is_available()
 
+    fast_path = OmegaConf.to_object(spec.cfg.fast_path)
+    # The collective knobs first: the fast path's fused optimizer rebuilds what their foreach set.
     plan = make_plan(spec.strategies, spec.trainer, spec.batch_size, cuda_available=cuda_available,
-                     lightfleet={"collective": OmegaConf.to_object(spec.cfg.collective).contribute,
-                                 RUNNER: lambda run: runner_callbacks})
+                     lightfleet={"collective": partial(OmegaConf.to_object(spec.cfg.collective).contribute,
+                                                       compile_mode=fast_path.compile_mode),
+                                 "fast_path": fast_path.contribute, RUNNER: lambda run: runner_callbacks})
     note = OmegaConf.to_object(spec.cfg.parameter_server).note()
     plan.notes += [note] if note else []
     return plan

@@ -5,15 +5,16 @@
 `CollectiveConfig.contribute` is lightfleet's own contribution (`<- collective` in the plan),
 made after the strategies', once the run's Lightning strategy is settled: the Trainer's
 sync_batchnorm and benchmark, DDP's bucket size and unused-parameter search, every Lightning
-strategy's process-group timeout, torch.compile as the last model transform, the foreach
-optimizer, and `CollectiveSetup` for what needs the rank's device (plugins/collective.py carries
-them out). Pure: no torch.
+strategy's process-group timeout, the foreach optimizer, and `CollectiveSetup` for what needs the
+rank's device (plugins/collective.py carries them out); the op-fusion flags ask for the fast
+path's compile (runner/config/fast_path.py). Pure: no torch.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
+from runner.config.fast_path import FastPathConfig, compile_transform
 from runner.core.contribution import Component, Contribution, RunShape
 from runner.core.errors import require
 from runner.core.plan import LIGHTFLEET_DDP
@@ -128,9 +129,9 @@ class CollectiveConfig:
                 "must be > 0 (or null: torch's default)")
 
     @property
-    def compiles(self) -> bool:
-        """Whether an op-fusion flag is on: torch.compile is PyTorch's op fusion."""
-        return any(getattr(self.build_strategy, flag) for flag in OP_FUSION_FLAGS)
+    def fusion_flags(self) -> List[str]:
+        """The op-fusion flags that are on: torch.compile is PyTorch's op fusion."""
+        return [flag for flag in OP_FUSION_FLAGS if getattr(self.build_strategy, flag)]
 
     def tunes_cudnn(self, run: RunShape) -> Optional[str]:
         """Why the run turns cudnn.benchmark on (None: it does not). A plain loop on a GPU does for
@@ -149,10 +150,11 @@ class CollectiveConfig:
         return ("a CUDA run: convolutions take cuDNN's fastest algorithm for each input shape "
                 "(trainer.benchmark=false or trainer.deterministic=true keeps it off)")
 
-    def contribute(self, run: RunShape) -> Contribution:
+    def contribute(self, run: RunShape, compile_mode: str = FastPathConfig.compile_mode) -> Contribution:
         """The knobs' part of the plan. sync_batch_norm is Lightning's sync_batchnorm on CUDA only
         (DDP refuses SyncBatchNorm elsewhere: the rank says so); trainer.sync_batchnorm is false
-        unless set (trainer=ddp sets it), so either one asking turns it on. cudnn.benchmark: `tunes_cudnn`."""
+        unless set (trainer=ddp sets it), so either one asking turns it on. cudnn.benchmark:
+        `tunes_cudnn`. An op-fusion flag asks for the fast path's compile, in fast_path.compile_mode."""
         contribution = Contribution()
         if self.sync_batch_norm and run.device_type == "cuda":
             contribution.trainer_args["sync_batchnorm"] = True
@@ -166,8 +168,9 @@ class CollectiveConfig:
                 find_unused_parameters=self.find_unused_parameters)
         if run.lightning_strategy is not None and self.timeout_s is not None:
             contribution.lightning_strategy_args["timeout_s"] = self.timeout_s
-        if self.compiles:
-            contribution.model_transforms.append(("compile", Component("plugins.collective:compile_model")))
+        if self.fusion_flags:
+            contribution.model_transforms.append(
+                compile_transform(run, compile_mode, f"collective.build_strategy.{self.fusion_flags[0]}"))
         if self.build_strategy.fuse_all_optimizer_ops:
             contribution.optimizer_transforms.append(Component("plugins.collective:use_foreach"))
         on_device = {"num_threads": self.execution_strategy.num_threads,

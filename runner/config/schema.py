@@ -1,5 +1,6 @@
 """The run's schema: trainer, paths, measurement, the collective knobs and the parameter-server
-mode (runner/config/collective.py) and the run itself, each knob typed and documented.
+mode (runner/config/collective.py), the fast path (runner/config/fast_path.py) and the run
+itself, each knob typed and documented.
 
 Plain dataclasses (no torch, no lightning): Hydra composes the YAML in conf/, and
 `runner.config.checks.validate` merges it onto `RunConfig`, so a typo, a wrong type or an out-of-range
@@ -14,6 +15,7 @@ from typing import Any, Dict, Optional
 
 from runner import strategies
 from runner.config.collective import CollectiveConfig, ParameterServerConfig
+from runner.config.fast_path import FastPathConfig
 from runner.core.errors import require
 
 # One field per strategy of the registry.
@@ -214,9 +216,11 @@ class RunConfig:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     """The run's measurements of its own speed and memory."""
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
-    """Fleet's collective-training knobs (DDP buckets, SyncBatchNorm, torch.compile, threads)."""
+    """Fleet's collective-training knobs (DDP buckets, SyncBatchNorm, op fusion as torch.compile, threads)."""
     parameter_server: ParameterServerConfig = field(default_factory=ParameterServerConfig)
     """Fleet's parameter-server modes: sync (data parallelism) and geo (localsgd); async ones are refused."""
+    fast_path: FastPathConfig = field(default_factory=FastPathConfig)
+    """torch.compile, fused optimizers and the attention kernel."""
     name: str = "default"
     """Name of the run (experiments set it)."""
     seed: int = 0

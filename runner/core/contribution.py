@@ -48,7 +48,7 @@ class RunShape:
     batch size per step and process (None when the data config has none), the selected
     strategies' knobs by name, the trainer's arguments, its device type and, for lightfleet's
     own contributors (runner/core/plan.py: they come after the strategies), the Lightning
-    strategy the plan has."""
+    strategy and the precision plugin the plan has."""
 
     world: World
     batch_size: Optional[int] = None
@@ -58,6 +58,7 @@ class RunShape:
     # command's probe imports torch, which a refused command should not pay for.
     cuda_available: Callable[[], bool] = field(default=no_cuda, compare=False, repr=False)
     lightning_strategy: Optional[str] = None  # its target (None: Lightning's own, in one process)
+    precision: Optional[str] = None  # its target (None: float32 throughout)
 
     @functools.cached_property
     def device_type(self) -> str:
@@ -223,3 +224,9 @@ class Strategy:
     def variants(self, facts: Facts) -> List[Dict[str, Any]]:
         """The knob settings worth trying for these facts (each a dict of knobs over the defaults)."""
         return [{}]
+
+    def fast_path_conflict(self, mechanism: str, run: RunShape) -> Optional[str]:
+        """Why the fast path's `mechanism` (FAST_PATH: runner/config/fast_path.py) cannot serve a run
+        with this strategy at these knobs, as a phrase following the strategy's name; None when
+        they combine."""
+        return None

@@ -1,13 +1,14 @@
 """The plan: a small, printable data object saying what a run will do and who asked for each part.
 
 The whole truth: every component that changes how the model trains or communicates is a claim
-in it, the strategies' and lightfleet's own (`collective`: compile, foreach optimizers, DDP's
-arguments, the process group's timeout; `lightfleet`: the runner's callbacks); the build
-(runner/rank/build.py) carries it out and adds nothing. Pure data (no torch). The command makes
-it once (`make_plan`) and saves it in the run directory, where every rank reads it
-(`Plan.from_dict`). Its rules hold whatever the table allows: one claim per exclusive slot, a
-gradient communication hook only beside a Lightning strategy that takes one, model transforms
-only in the declared phases, in their order.
+in it, the strategies' and lightfleet's own (`collective`: DDP's arguments, the process group's
+timeout, foreach optimizers; `fast_path`: compile, fused optimizers, the attention kernel;
+`lightfleet`: the runner's callbacks); the build (runner/rank/build.py) carries it out and adds
+nothing. Pure data (no torch). The command makes it once (`make_plan`) and saves it in the run
+directory, where every rank reads it (`Plan.from_dict`). Its rules hold whatever the table
+allows: one claim per exclusive slot, a gradient communication hook only beside a Lightning
+strategy that takes one, model transforms only in the declared phases, in their order, each
+once.
 """
 from __future__ import annotations
 
@@ -86,9 +87,10 @@ def make_plan(strategies: Dict[str, Strategy], trainer: Any, batch_size: Optiona
 
     `strategies` maps name -> validated knobs (in selection order); `trainer` is the validated
     TrainerConfig (runner/config/schema.py); `batch_size` the data's batch size, if known.
-    `lightfleet` maps who asks -> lightfleet's own contributors (the collective knobs, the runner's
-    callbacks): they contribute once the Lightning strategy is settled (RunShape.lightning_strategy),
-    and their callbacks run after the user's. `cuda_available` answers RunShape.device_type.
+    `lightfleet` maps who asks -> lightfleet's own contributors (the collective knobs, the fast
+    path, the runner's callbacks): they contribute once the Lightning strategy and the precision
+    are settled (RunShape.lightning_strategy, RunShape.precision), and their callbacks run after
+    the user's. `cuda_available` answers RunShape.device_type.
     A strategy whose knobs do not fit the run (degrees against the world size) raises
     ConfigError; a broken plan rule raises Refusal naming the strategies involved.
     """
@@ -110,9 +112,10 @@ def make_plan(strategies: Dict[str, Strategy], trainer: Any, batch_size: Optiona
         # Processes are started by lightfleet's launcher (or torchrun/SLURM); Lightning joins them.
         # A communication hook needs DDP even in one process: it may carry the update (dgc's momentum).
         plan.lightning_strategy = Claim(RUNNER, Component(LIGHTFLEET_DDP, {}))
-    chosen = plan.lightning_strategy.component.target if plan.lightning_strategy else None
+    settled = replace(run, precision=plan.precision.component.target if plan.precision else None,
+                      lightning_strategy=plan.lightning_strategy.component.target if plan.lightning_strategy else None)
     for name, contribute in (lightfleet or {}).items():
-        _add(plan, name, contribute(replace(run, lightning_strategy=chosen)), trainer, callback_phase=AFTER_USER)
+        _add(plan, name, contribute(settled), trainer, callback_phase=AFTER_USER)
     plan.model_transforms.sort(key=lambda claim: PHASES.index(claim.phase))
     return plan
 
@@ -131,11 +134,25 @@ def _add(plan: Plan, name: str, contribution: Contribution, trainer: Any, callba
     for phase, component in contribution.model_transforms:
         if phase not in PHASES:
             raise Refusal(f"strategy {name} adds a model transform in phase {phase!r}; phases: {', '.join(PHASES)}")
-        plan.model_transforms.append(Claim(name, component, phase))
+        _claim_model_transform(plan, name, component, phase)
     plan.optimizer_transforms.extend(Claim(name, component) for component in contribution.optimizer_transforms)
     _claim_trainer_args(plan, name, contribution.trainer_args, trainer)
     plan.callbacks.extend(Claim(name, component, callback_phase) for component in contribution.callbacks)
     plan.notes.extend(contribution.notes)
+
+
+def _claim_model_transform(plan: Plan, name: str, component: Component, phase: str) -> None:
+    """A transform asked for twice runs once: one claim naming both (the model is compiled once
+    whether fast_path.compile or a collective fusion flag asks); asked with other arguments, refused."""
+    held = next((claim for claim in plan.model_transforms
+                 if claim.phase == phase and claim.component.target == component.target), None)
+    if held is None:
+        plan.model_transforms.append(Claim(name, component, phase))
+    elif held.component == component:
+        held.by = f"{held.by}, {name}"
+    else:
+        raise Refusal(f"{held.by} and {name} both add {component.target} ({phase}) with different arguments; "
+                      f"choose one of them")
 
 
 def _claim_lightning_strategy_args(plan: Plan, name: str, args: Dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar, Dict, List
+from typing import Any, ClassVar, Dict, List, Optional
 
 from runner.core.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
 from runner.core.errors import require
@@ -59,6 +59,13 @@ class AmpConfig(Strategy):
 
     def variants(self, facts: Facts) -> List[Dict[str, Any]]:
         return [{"dtype": "bfloat16" if facts.bf16 else "float16"}]
+
+    def fast_path_conflict(self, mechanism: str, run: RunShape) -> Optional[str]:
+        clip = getattr(run.trainer, "gradient_clip_val", None)
+        if mechanism == "fused_optimizer" and self.dtype == "float16" and clip:
+            return (f"with dtype=float16 lets a fused step unscale the gradients itself, so Lightning cannot clip "
+                    f"them before it (trainer.gradient_clip_val={clip}): use dtype=bfloat16 or no clipping")
+        return None
 
     def contribute(self, run: RunShape) -> Contribution:
         knobs = asdict(self)

@@ -32,5 +32,9 @@ class LambConfig(Strategy):
     def applies(self, facts: Facts) -> Optional[str]:
         return None if facts.optimizer == "adam" else f"LAMB replaces Adam or AdamW; the model's optimizer is {facts.optimizer}"
 
+    def fast_path_conflict(self, mechanism: str, run: RunShape) -> Optional[str]:
+        return ("replaces the optimizer with LAMB, which torch has no fused kernel for (it steps on foreach kernels)"
+                if mechanism == "fused_optimizer" else None)
+
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(optimizer=Component("plugins.lamb:replace_optimizer", asdict(self)))

@@ -34,5 +34,9 @@ class LarsConfig(Strategy):
     def applies(self, facts: Facts) -> Optional[str]:
         return None if facts.optimizer == "sgd_momentum" else f"LARS replaces momentum SGD; the model's optimizer is {facts.optimizer}"
 
+    def fast_path_conflict(self, mechanism: str, run: RunShape) -> Optional[str]:
+        return ("replaces the optimizer with LARS, which torch has no fused kernel for (it steps on foreach kernels)"
+                if mechanism == "fused_optimizer" else None)
+
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(optimizer=Component("plugins.lars:replace_optimizer", asdict(self)))

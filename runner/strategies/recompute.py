@@ -31,6 +31,12 @@ class RecomputeConfig(Strategy):
     def speed(self, facts: Facts) -> float:
         return 0.75  # one more forward per step: about 4/3 of the compute
 
+    def fast_path_conflict(self, mechanism: str, run: RunShape) -> Optional[str]:
+        if mechanism == "compile" and self.enable_offload:
+            return ("with enable_offload=true keeps the blocks' inputs on the host through save_on_cpu hooks, which "
+                    "torch.compile does not trace (the blocks would run uncompiled); compile without the offload")
+        return None
+
     def contribute(self, run: RunShape) -> Contribution:
         contribution = Contribution()
         contribution.model_transforms.append(

@@ -2,7 +2,8 @@
 real `lightfleet` runs (CPU, gloo, 2 processes where distributed) by `CollectiveProbe`, a callback
 put in from the command line; knobs this device cannot apply give one info line; a bad value, or
 one against a trainer argument, is exit 2 with nothing made; a Fleet file's collective fields
-import as collective.* and train. tests/runner/test_plan.py checks what the knobs add to the plan."""
+import as collective.* and train. tests/runner/test_plan.py checks what the knobs add to the plan;
+the op-fusion flags' compile is the fast path's (tests/plugins/test_fast_path.py runs it)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ from typing import Any, Dict
 import pytest
 import pytorch_lightning as pl
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -34,8 +34,6 @@ class CollectiveProbe(pl.Callback):
         seen: Dict[str, Any] = {
             "threads": torch.get_num_threads(),
             "sync_batch_norm": any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()),
-            "compiled": pl_module._compiled_call_impl is not None,
-            "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             "foreach": trainer.optimizers[0].param_groups[0].get("foreach"),
         }
         ddp = trainer.strategy.model
@@ -169,17 +167,6 @@ def test_a_rank_that_hangs_ends_the_run_at_the_timeout_naming_the_other_rank(lig
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("lightfleet: run failed: rank 0: ") and "timed out" in last.lower(), last
     assert "collective.timeout_s=3.0 -> the process group's timeout" in (tmp_path / "run" / "build.yaml").read_text()
-
-
-def test_an_op_fusion_flag_compiles_the_model(lightfleet, tmp_path):
-    seen = probed(lightfleet, tmp_path, "collective.build_strategy.fuse_elewise_add_act_ops=true")
-    assert seen["compiled"] is True and seen["dynamo_graphs"] >= 1
-    build = OmegaConf.load(tmp_path / "run" / "build.yaml")
-    assert OmegaConf.to_container(build.model_transforms) == [
-        {"by": "collective", "phase": "compile", "modules": ["MLPClassifier"]}]
-    plain = lightfleet(*STEPS, PROBE, "trainer.accelerator=cpu", "paths.output_dir=plain")
-    assert plain.returncode == 0, plain.stderr
-    assert json.loads((tmp_path / "plain" / "probe.rank0.json").read_text())["compiled"] is False
 
 
 def test_a_bad_value_is_one_line_and_exit_2(lightfleet):

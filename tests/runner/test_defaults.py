@@ -38,11 +38,12 @@ def test_a_strategy_config_file_selects_its_schema_and_sets_no_knob(name):
         f"{strategies.schemas()[name].__name__} (runner/strategies/{name}.py) only; write `{name}: {{}}`")
 
 
-def test_the_collective_config_file_sets_no_knob():
-    path = CONF_DIR / "collective" / "default.yaml"
-    home = Path(inspect.getsourcefile(schema.CollectiveConfig)).relative_to(PROJECT_ROOT)
+@pytest.mark.parametrize("group, knobs", [("collective", schema.CollectiveConfig), ("fast_path", schema.FastPathConfig)])
+def test_the_collective_and_fast_path_config_files_set_no_knob(group, knobs):
+    path = CONF_DIR / group / "default.yaml"
+    home = Path(inspect.getsourcefile(knobs)).relative_to(PROJECT_ROOT)
     assert yaml.safe_load(path.read_text()) == {}, (
-        f"{path.relative_to(PROJECT_ROOT)} sets knobs: their defaults live in CollectiveConfig ({home}) only; "
+        f"{path.relative_to(PROJECT_ROOT)} sets knobs: their defaults live in {knobs.__name__} ({home}) only; "
         f"write `{{}}`")
 
 

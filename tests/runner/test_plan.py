@@ -162,6 +162,23 @@ def test_a_communication_hook_needs_a_lightning_strategy_that_takes_one():
                       TrainerConfig(devices=2))
 
 
+def test_a_transform_asked_for_twice_is_one_claim_naming_both_and_refused_with_other_arguments():
+    compile_fast = Contribution(model_transforms=[("compile", Component("x:compile", {"mode": "max-autotune"}))])
+    compile_slow = Contribution(model_transforms=[("compile", Component("x:compile", {"mode": "default"}))])
+    plan = make_plan({}, TrainerConfig(), lightfleet={"a": lambda run: compile_fast, "b": lambda run: compile_fast})
+    assert [(c.by, c.phase, c.component.kwargs) for c in plan.model_transforms] == [
+        ("a, b", "compile", {"mode": "max-autotune"})]
+    with pytest.raises(Refusal, match=r"^a and b both add x:compile \(compile\) with different arguments; choose one"):
+        make_plan({}, TrainerConfig(), lightfleet={"a": lambda run: compile_fast, "b": lambda run: compile_slow})
+
+
+def test_lightfleets_contributors_see_the_settled_lightning_strategy_and_precision():
+    seen = []
+    make_plan({"amp": AmpConfig(), "sharding": ShardingConfig(stage=2)}, TrainerConfig(devices=2),
+              lightfleet={"a": lambda run: seen.append((run.lightning_strategy, run.precision)) or Contribution()})
+    assert seen == [("plugins.sharding:build_fsdp", "plugins.amp:build_precision")]
+
+
 def test_model_transforms_only_in_declared_phases():
     stray = Contribution(model_transforms=[("quantize", Component("x:y"))])
     with pytest.raises(Refusal, match=r"^strategy a adds a model transform in phase 'quantize'; phases: precision, "):
@@ -212,7 +229,7 @@ def test_the_plan_names_compile_foreach_ddp_arguments_the_timeout_and_the_runner
                  "  timeout_s=30.0  <- collective",
                  "optimizer transforms (in order, after any replacement):",
                  "  plugins.collective:use_foreach()  <- collective",
-                 "  1. [compile] plugins.collective:compile_model()  <- collective",
+                 "  1. [compile] plugins.fast_path:compile_model(mode='default')  <- collective",
                  "  benchmark=True  <- collective",
                  "  (the config's callbacks.*)",
                  "  plugins.collective:CollectiveSetup(num_threads=2, gpu_memory_fraction=None, "
@@ -227,7 +244,7 @@ def test_the_plan_names_compile_foreach_ddp_arguments_the_timeout_and_the_runner
     assert [(c["by"], c["component"]["target"]) for c in saved["optimizer_transforms"]] == [
         ("collective", "plugins.collective:use_foreach")]
     assert [(c["by"], c["phase"], c["component"]["target"]) for c in saved["model_transforms"]] == [
-        ("collective", "compile", "plugins.collective:compile_model")]
+        ("collective", "compile", "plugins.fast_path:compile_model")]
     assert [(c["by"], c["phase"], c["component"]["target"]) for c in saved["callbacks"]] == [
         ("collective", AFTER_USER, "plugins.collective:CollectiveSetup"),
         *(("lightfleet", AFTER_USER, target) for target in RUNNER_CALLBACKS)]
