@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("gpt", "resnet", "memory", "compiled", "tests")
 # The test modules that hold GPU tests (collecting only these keeps the sweepers' and Paddle's
 # imports, which the GPU machine may lack, out of the run).
-GPU_TESTS = ["tests/test_gpu.py", "tests/plugins/test_collective.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/plugins/test_collective.py", "tests/plugins/test_sharding.py"]
 QUIET = ["logger=none", "callbacks=none", "trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
          "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0"]
 
@@ -285,14 +285,14 @@ def release_memory() -> None:
 
 
 def part_gpt(bench: Bench, compiled: bool = False) -> Dict[str, Any]:
-    extra = ["fast_path.compile=true"] if compiled else []
+    extra = [f"fast_path.compile={str(compiled).lower()}"]  # experiments/gpt2_124m.yaml compiles
     return side_by_side(bench, f"GPT-2{' compiled' if compiled else ''}",
                         lambda: lightfleet(bench, "gpt", [*gpt_overrides(bench), *extra]),
                         lambda: plain_gpt(bench, compiled), 1 if compiled else bench.sizes.rounds)
 
 
 def part_resnet(bench: Bench, compiled: bool = False) -> Dict[str, Any]:
-    extra = ["fast_path.compile=true"] if compiled else []
+    extra = [f"fast_path.compile={str(compiled).lower()}"]
     return side_by_side(bench, f"ResNet{' compiled' if compiled else ''}",
                         lambda: lightfleet(bench, "resnet", [*resnet_overrides(bench), *extra]),
                         lambda: plain_resnet(bench, compiled), 1 if compiled else bench.sizes.rounds)
@@ -385,8 +385,8 @@ def main() -> None:
         steps = [("gpt", "gpt", lambda: part_gpt(bench)), ("resnet", "resnet", lambda: part_resnet(bench)),
                  ("memory", "memory", lambda: part_memory(bench)),
                  ("compiled_gpt", "compiled", lambda: part_gpt(bench, compiled=True)),
-                 ("compiled_resnet", "compiled", lambda: part_resnet(bench, compiled=True)),
-                 ("tests", "tests", lambda: part_tests(bench))]
+                 ("tests", "tests", lambda: part_tests(bench)),
+                 ("compiled_resnet", "compiled", lambda: part_resnet(bench, compiled=True))]
         for name, part, run in steps:
             if part not in parts:
                 continue
