@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -95,10 +95,15 @@ class Bench:
     sizes: Sizes
     work: Path
     deadline: float
+    out: Path
     results: Dict[str, Any] = field(default_factory=dict)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        """Write what is measured so far (a run stopped by a time limit keeps it)."""
+        self.out.write_text(json.dumps(self.results, indent=1, default=str))
 
 
 # --------------------------------------------------------------------------- lightfleet's side
@@ -263,13 +268,16 @@ def peak_memory(device: Any) -> Dict[str, Optional[float]]:
 
 def side_by_side(bench: Bench, name: str, ours: Callable[[], Dict[str, Any]], plain: Callable[[], Dict[str, Any]],
                  rounds: int) -> Dict[str, Any]:
-    """`rounds` rounds of both sides, who goes first alternating; lightfleet / plain per round."""
+    """`rounds` rounds of both sides, who goes first alternating; lightfleet / plain per round
+    (each side's figures saved as soon as it has them, under `name`)."""
     figures: Dict[str, List[Dict[str, Any]]] = {"lightfleet": [], "plain": []}
+    bench.results[name] = figures
     for round_ in range(rounds):
         order = [("lightfleet", ours), ("plain", plain)]
         for side, run in order if round_ % 2 == 0 else order[::-1]:
             print(f"bench/gpu.py: {name}, round {round_ + 1}: {side}", flush=True)
             figures[side].append(run())
+            bench.save()
             release_memory()
     ratios = [ours_["samples_per_s"] / plain_["samples_per_s"] for ours_, plain_ in zip(figures["lightfleet"],
                                                                                         figures["plain"])]
@@ -286,14 +294,14 @@ def release_memory() -> None:
 
 def part_gpt(bench: Bench, compiled: bool = False) -> Dict[str, Any]:
     extra = [f"fast_path.compile={str(compiled).lower()}"]  # experiments/gpt2_124m.yaml compiles
-    return side_by_side(bench, f"GPT-2{' compiled' if compiled else ''}",
+    return side_by_side(bench, "compiled_gpt" if compiled else "gpt",
                         lambda: lightfleet(bench, "gpt", [*gpt_overrides(bench), *extra]),
                         lambda: plain_gpt(bench, compiled), 1 if compiled else bench.sizes.rounds)
 
 
 def part_resnet(bench: Bench, compiled: bool = False) -> Dict[str, Any]:
     extra = [f"fast_path.compile={str(compiled).lower()}"]
-    return side_by_side(bench, f"ResNet{' compiled' if compiled else ''}",
+    return side_by_side(bench, "compiled_resnet" if compiled else "resnet",
                         lambda: lightfleet(bench, "resnet", [*resnet_overrides(bench), *extra]),
                         lambda: plain_resnet(bench, compiled), 1 if compiled else bench.sizes.rounds)
 
@@ -306,7 +314,7 @@ def part_memory(bench: Bench) -> Dict[str, Any]:
     overrides = {"gpt": gpt_overrides(bench), "resnet": resnet_overrides(bench)}
     found = {}
     for name, run in measured.items():
-        if not run:
+        if not run or "lightfleet" not in run:  # the part failed or did not run
             continue
         peak_mb = max(side["peak_memory_mb"] for side in run["lightfleet"])
         estimate = estimate_for([*overrides[name], "trainer.accelerator=gpu"])
@@ -340,21 +348,25 @@ def table(results: Dict[str, Any]) -> str:
     for name, unit in (("gpt", "tokens_per_s"), ("compiled_gpt", "tokens_per_s"), ("resnet", "samples_per_s"),
                        ("compiled_resnet", "samples_per_s")):
         run = results.get(name)
-        if not run or "ratio" not in run:
+        if not run or not run.get("lightfleet"):
             continue
         ours = ", ".join(f"{side[unit]:,.0f}" + (f" (MFU {side['mfu']:.1%})" if side.get("mfu") else "")
                          for side in run["lightfleet"])
         plain = ", ".join(f"{side[unit]:,.0f}" + (f" (MFU {side['mfu']:.1%})" if side.get("mfu") else "")
                           for side in run["plain"])
-        rows.append(f"| {name} {unit.replace('_per_s', '/s')} | {ours} | {plain} | {run['ratio']:.3f} |")
+        ratio = f"{run['ratio']:.3f}" if "ratio" in run else ""
+        rows.append(f"| {name} {unit.replace('_per_s', '/s')} | {ours} | {plain} | {ratio} |")
         waits = ", ".join(f"{side.get('data_wait_fraction') or 0:.1%} / {side.get('device_idle_fraction') or 0:.1%}"
                           for side in run["lightfleet"])
         rows.append(f"| {name}: waiting for data / device idle (lightfleet) | {waits} | | |")
-    for name, memory in results.get("memory", {}).items():
+    memories = results.get("memory", {})
+    for name, memory in (memories.items() if "failed" not in memories else ()):
         rows.append(f"| auto's estimate, {name} (GiB) | {memory['estimate_gib']:.2f} | measured "
                     f"{memory['measured_gib']:.2f} | {memory['ratio']:.3f} |")
-    if "tests" in results:
+    if "summary" in results.get("tests", {}):
         rows.append(f"| pytest -m gpu | {results['tests']['summary']} | | |")
+    rows += [f"| {name}: {run['failed']} | | | |" for name, run in results.items()
+             if isinstance(run, dict) and "failed" in run]
     return "\n".join(rows)
 
 
@@ -364,6 +376,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: a rehearsal of every code path")
     parser.add_argument("--wheels", type=Path, help="a folder of wheels to install first (what the GPU machine lacks)")
     parser.add_argument("--budget-s", type=float, default=450.0, help="no part starts after this many seconds")
+    parser.add_argument("--rounds", type=int, help="rounds of each eager comparison (default: 2 on a GPU)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "gpu.json")
     args = parser.parse_args()
     if args.wheels:
@@ -372,12 +385,13 @@ def main() -> None:
     import torch
 
     sizes = SMOKE if args.smoke else FULL
+    sizes = replace(sizes, rounds=args.rounds or sizes.rounds)
     if sizes.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py: no CUDA device (--smoke rehearses on a CPU)")
     parts = [part for part in args.only.split(",") if part]
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
-        bench = Bench(sizes, Path(scratch), started + args.budget_s)
+        bench = Bench(sizes, Path(scratch), started + args.budget_s, args.out)
         make_tokens(bench.work, sizes.gpt["vocab_size"])
         bench.results["machine"] = {"device": torch.cuda.get_device_name() if sizes.device == "cuda" else "cpu",
                                     "torch": torch.__version__, "smoke": args.smoke,
@@ -396,10 +410,10 @@ def main() -> None:
             try:
                 bench.results[name] = run()
             except Exception as error:  # noqa: BLE001 (one part's failure is a result; the others still run)
-                bench.results[name] = {"failed": f"{type(error).__name__}: {error}"}
+                bench.results.setdefault(name, {})["failed"] = f"{type(error).__name__}: {error}"  # beside what it measured
                 print(f"bench/gpu.py: {name} failed: {error}", flush=True)
             bench.results["wall_s"] = time.monotonic() - started
-            args.out.write_text(json.dumps(bench.results, indent=1, default=str))
+            bench.save()
     print(table(bench.results))
     print(f"bench/gpu.py: {time.monotonic() - started:.0f} s; results in {args.out}")
 

@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
-from pytorch_lightning.plugins.precision import MixedPrecision
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch import nn
 from typing_extensions import override
 
@@ -150,6 +151,21 @@ class FleetGradScaler(torch.amp.GradScaler):
         return state
 
 
+class BFloat16Precision(MixedPrecision):
+    """Lightning's bf16-mixed, which clips gradients beside a fused optimizer step too. Lightning
+    refuses clipping for any optimizer that unscales gradients in its step (torch's fused ones),
+    since with a float16 loss scale clipping would see them scaled; bfloat16 has no loss scale,
+    so the gradients clipping sees are the true ones."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__("bf16-mixed", device_type)
+
+    @override
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: float | int = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+
 def build_precision(device_type: str, dtype: str, **loss_scaling: Any) -> MixedPrecision:
     """Lightning precision plugin for `dtype` ("float16" or "bfloat16") on `device_type`;
     `loss_scaling` are FleetGradScaler's knobs (ignored for bfloat16, which needs no scaling).
@@ -158,7 +174,7 @@ def build_precision(device_type: str, dtype: str, **loss_scaling: Any) -> MixedP
     bfloat16 on CPU) runs float16 autocast on CPU as well.
     """
     if dtype == "bfloat16":
-        return MixedPrecision("bf16-mixed", device_type)
+        return BFloat16Precision(device_type)
     return MixedPrecision("16-mixed", device_type, scaler=FleetGradScaler(device_type, **loss_scaling))
 
 

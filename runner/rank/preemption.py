@@ -7,7 +7,10 @@ The signal handlers only note the signal. The ranks vote at the end of each opti
 one small all-reduce, whether any rank has one, so all stop at the same step and save together
 (a sharded checkpoint is collective). The vote runs in the background while the next step
 computes and is read at that step's end: the ranks stop one step after the signal, and the
-vote's latency is hidden (bench/preemption.py). Lightning's own SIGTERM handling is replaced: it stops
+vote's latency is hidden (bench/preemption.py). On a GPU the vote's result reaches the host by a
+copy into pinned memory, and reading it waits for that copy alone, not for the step under way: a
+plain loop makes the host wait for the device nowhere per step, and neither does the vote. A
+single process votes with no one: it reads its own signal. Lightning's own SIGTERM handling is replaced: it stops
 ranks at different steps. Before training starts, a signal stops the run at once, without a
 checkpoint (runner/command/launch.py; in a rank, runner/rank/parent.py).
 """
@@ -43,7 +46,7 @@ class Preemption(pl.Callback):
         self.received = 0  # the signal's number; 0 while none came
         self.agreed_signal = 0
         self.last_step = -1
-        self._vote: Optional[tuple] = None  # (the all-reduce under way, its tensor)
+        self._vote: Optional[Vote] = None  # the vote under way
 
     def note(self, signum: int, _frame: Any = None) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
@@ -70,19 +73,40 @@ class Preemption(pl.Callback):
     def agreed(self, trainer: pl.Trainer) -> bool:
         """Whether any rank had received a signal by the end of the previous step (the largest
         number wins), and start the vote of this one. In a single process: a signal so far."""
-        flag = torch.tensor([self.received], device=trainer.strategy.root_device)
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             self.agreed_signal = self.received
             return self.agreed_signal != 0
         self._count_vote()
-        self._vote = (torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True), flag)
+        self._vote = Vote(self.received, trainer.strategy.root_device)
         return self.agreed_signal != 0
 
     def _count_vote(self) -> None:
         if self._vote is not None:
-            work, flag = self._vote
-            work.wait()
-            self.agreed_signal, self._vote = int(flag.item()), None
+            self.agreed_signal, self._vote = self._vote.result(), None
+
+
+class Vote:
+    """One all-reduce (max) of each rank's signal number, in the background. On CUDA its result
+    is copied to pinned host memory behind the collective, with an event: reading it waits for
+    that copy, never for the device's later work (an `.item()` would wait for all of it)."""
+
+    def __init__(self, signum: int, device: torch.device) -> None:
+        self.flag = torch.full((1,), signum, dtype=torch.int64, device=device)  # filled on the device: no copy
+        self.work = torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        self.copied: Optional[torch.cuda.Event] = None
+        if device.type == "cuda":
+            self.work.wait()  # NCCL: the current stream waits for the collective; the host does not
+            self.host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            self.host.copy_(self.flag, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def result(self) -> int:
+        if self.copied is None:
+            self.work.wait()
+            return int(self.flag[0])  # a host tensor (gloo)
+        self.copied.synchronize()
+        return int(self.host[0])
 
 
 def resume_line(run_dir: Path, signum: int, step: Optional[int] = None) -> str:

@@ -152,6 +152,25 @@ def test_bfloat16_trains_without_scaler():
     assert sum(last) / 5 < 0.7 * sum(first) / 5, recorder.losses
 
 
+def test_bfloat16_clips_gradients_beside_a_fused_optimizer_step_as_beside_a_foreach_one():
+    # Lightning refuses clipping with any fused step (a float16 loss scale would be clipped
+    # unscaled); bfloat16 has no scale. GPT-2's recipe: bf16, clip 1.0, fused AdamW on CUDA.
+    def trained(fused: bool, clip: float) -> list:
+        pl.seed_everything(0, verbose=False)
+        model = MLPClassifier(optimizer=lambda parameters: torch.optim.AdamW(parameters, lr=0.05, fused=fused,
+                                                                             foreach=not fused))
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, gradient_clip_val=clip, limit_val_batches=0,
+                             plugins=[build_precision("cpu", "bfloat16")], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, SyntheticClassificationData(batch_size=16, num_workers=0))
+        return [parameter.detach().clone() for parameter in model.parameters()]
+
+    fused, foreach, unclipped = trained(True, 0.01), trained(False, 0.01), trained(True, 0.0)
+    for ours, theirs, free in zip(fused, foreach, unclipped):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(ours, free) for ours, free in zip(fused, unclipped))  # the clipping acted
+
+
 def test_white_and_black_lists_set_module_precision_and_keep_training():
     model = MLPClassifier()
     keys = list(model.state_dict())
