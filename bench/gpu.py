@@ -124,7 +124,7 @@ def lightfleet(bench: Bench, name: str, overrides: List[str]) -> Dict[str, Any]:
     except SystemExit as stop:
         code = stop.code
     if code:
-        raise RuntimeError(f"lightfleet {' '.join(args)} exited with {code}")
+        raise RuntimeError(f"lightfleet exited with {code} ({name}: {' '.join(overrides)}); its log: {run_dir}")
     return yaml.safe_load((run_dir / "results.yaml").read_text())
 
 
