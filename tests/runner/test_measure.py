@@ -14,6 +14,7 @@ import yaml
 from pytorch_lightning.plugins.precision import MixedPrecision
 from torch.utils.flop_counter import FlopCounterMode
 
+from probe import attention_in_plain_matmuls
 from runner.data import SyntheticClassificationData
 from runner.models import GPTDecoder, MLPClassifier
 from runner.rank import measure
@@ -91,14 +92,6 @@ def test_switched_off_the_run_records_no_figures(lightfleet, tmp_path):
     assert "samples_per_s" not in results(tmp_path / "run")
 
 
-def attention_in_plain_matmuls(q, k, v, is_causal):
-    """Causal attention as two counted matrix products (torch's counter may not see every SDPA kernel)."""
-    length = q.size(-2)
-    scores = (q @ k.transpose(-2, -1)) / q.size(-1) ** 0.5
-    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
-    return scores.softmax(-1) @ v
-
-
 def test_gpt_flops_per_token_matches_torchs_flop_counter(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", attention_in_plain_matmuls)
     model = GPTDecoder(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
@@ -171,6 +164,7 @@ import time
 
 from torch.utils.data import Dataset
 
+from probe import attention_in_plain_matmuls
 from runner.data import SyntheticClassificationData
 
 
