@@ -282,3 +282,27 @@ def attention_in_plain_matmuls(q, k, v, attn_mask=None, dropout_p=0.0, is_causal
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     return scores.softmax(-1) @ v
+
+
+def optimizer_knob(make: Callable[..., pl.LightningModule]) -> None:
+    """A built-in model's `optimizer` (a partial optimizer class, as Hydra builds it): the one it trains with."""
+    import functools
+
+    chosen = make(optimizer=functools.partial(torch.optim.Adam, lr=0.25)).configure_optimizers()
+    chosen = chosen["optimizer"] if isinstance(chosen, dict) else chosen  # with a learning-rate schedule
+    assert isinstance(chosen, torch.optim.Adam) and chosen.defaults["lr"] == 0.25
+
+
+def channels_last_knob(make: Callable[..., pl.LightningModule]) -> None:
+    """A convolution model's `channels_last=true`: its convolution weights in channels-last on a CPU
+    too, where auto (the default) leaves them (tests/runner/test_device_path.py: on CUDA)."""
+    from data_files import on_device
+
+    def converted(**knob: Any) -> bool:
+        model = make(**knob)
+        model.trainer = on_device("cpu")
+        model.setup("fit")
+        return all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in model.modules()
+                   if isinstance(m, nn.Conv2d) and m.kernel_size != (1, 1))
+
+    assert converted(channels_last="true") and not converted()
