@@ -310,6 +310,8 @@ class RunMeter(pl.Callback):
         self.summary = self._summarize(ranks)
 
     def _pause(self) -> None:
+        if self.clock is None:  # not training yet: an evaluation, or fit's sanity check
+            return
         self._read_clock()
         self.interrupted = True
         self.gaps.forget()

@@ -276,3 +276,17 @@ def test_tokens_flops_and_mfu_of_a_language_model_follow_the_sequence_length(mon
     assert summary["flops_per_sample"] == model.flops_per_token * seq_len
     assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * seq_len)
     assert summary["mfu"] == pytest.approx(model.flops_per_token * seq_len * summary["samples_per_s"] / 1e12)
+
+
+def test_an_evaluation_and_a_sanity_check_measure_nothing_and_fail_nothing(tmp_path):
+    # `lightfleet eval` validates without training, and fit's sanity check validates before it:
+    # the meter, which measures training, has nothing to pause there.
+    meter = RunMeter(warmup_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, num_sanity_val_steps=1, limit_val_batches=1,
+                         callbacks=[meter], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    model, data = MLPClassifier(), SyntheticClassificationData(batch_size=8)
+    trainer.validate(model, data, verbose=False)
+    assert meter.summary == {}
+    trainer.fit(model, data)
+    assert meter.summary["measured_steps"] == 1
