@@ -310,7 +310,7 @@ MUTANTS = [
            "pl.seed_everything(0, workers=True, verbose=False)",
            (select("tests/test_runs.py", "seed_decides"),)),
     Mutant("val-loss-rank-0", "runner", "a multi-process run's validation loss is rank 0's alone",
-           "runner/models.py", 'self.log_dict({"val_loss": loss, "val_acc": accuracy}, sync_dist=True)',
+           "runner/models/__init__.py", 'self.log_dict({"val_loss": loss, "val_acc": accuracy}, sync_dist=True)',
            'self.log_dict({"val_loss": loss, "val_acc": accuracy})',
            (select("tests/test_runs.py", "whole_set"),)),
     Mutant("eval-trains", "runner", "lightfleet eval trains instead of evaluating",
