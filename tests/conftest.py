@@ -1,6 +1,7 @@
 """Shared fixtures: compose configs in-process, and run the real `lightfleet` command."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -43,20 +44,28 @@ def spec_for() -> Callable[..., RunSpec]:
     return lambda *overrides: validate(compose_config(list(overrides)))
 
 
+def run_command(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real command in a fresh process, from `cwd`, with stdout and stderr apart."""
+    # tests/ and tests/plugins importable by every rank: the probes (tests/probe.py) and what they read.
+    paths = [str(PROJECT_ROOT / "tests"), str(PROJECT_ROOT / "tests" / "plugins"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.fixture
 def lightfleet(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """Run the real command in a fresh process, from `tmp_path`, with stdout and stderr apart."""
+    return functools.partial(run_command, tmp_path)
 
-    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        # tests/ and tests/plugins importable by every rank: the probes (tests/probe.py) and what they read.
-        paths = [str(PROJECT_ROOT / "tests"), str(PROJECT_ROOT / "tests" / "plugins"), os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-        for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
-            env.pop(var, None)
-        return subprocess.run([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=timeout)
 
-    return run
+@pytest.fixture(scope="session")
+def lightfleet_in() -> Callable[..., subprocess.CompletedProcess]:
+    """lightfleet_in(cwd, *args): the real command from `cwd`, for fixtures wider than a test (a run
+    that several tests read)."""
+    return run_command
 
 
 

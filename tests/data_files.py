@@ -1,9 +1,10 @@
 """Tiny data files the tests make on the fly (nothing is downloaded): token files from numpy, a
 folder of generated PNGs in ImageFolder's layout, short text documents and tokenizers trained on
-them with the tokenizers library."""
+them with the tokenizers library; and the trainer a data module reads, for tests that build one."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -27,6 +28,28 @@ def image_folder(root: Path, per_class: int = 6, size: int = 40) -> Path:
                 pixels = np.clip(rng.normal(level, 30, (size, size, 3)), 0, 255).astype(np.uint8)
                 Image.fromarray(pixels).save(root / split / label / f"{index}.png")
     return root
+
+
+def picture_folder(root: Path, per_class: dict, size: int = 32) -> Path:
+    """ROOT/SPLIT/{a,b}/*.png, `per_class[SPLIT]` images a class, every one the same picture (noise
+    drawn once): two images of a batch differ only where their random crops and flips differ."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    for split, count in per_class.items():
+        for label in ("a", "b"):
+            (root / split / label).mkdir(parents=True, exist_ok=True)
+            for index in range(count):
+                Image.fromarray(pixels).save(root / split / label / f"{index}.png")
+    return root
+
+
+def on_device(device: str = "cpu", epoch: int = 0) -> SimpleNamespace:
+    """What a data module reads of Lightning's trainer, for one process training on `device` in `epoch`."""
+    import torch
+
+    return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=1,
+                           current_epoch=epoch, distributed_sampler_kwargs=None)
 
 
 END_OF_TEXT = "<|endoftext|>"

@@ -5,6 +5,9 @@ PYTHONPATH (tests/conftest.py), so a probe can read the strategies' own test mod
 
 - `Wiring`: each knob as the object carrying it out sees it (`WIRING` of tests/plugins/test_<name>.py).
 - `Effects`: what every strategy is known for, observed alike in every run (`EFFECT` of the same).
+
+And what in-process tests share: `knobs_of` (every knob a table of knob effects must name) and
+`attention_in_plain_matmuls` (attention that torch's FLOP counter sees).
 """
 from __future__ import annotations
 
@@ -249,3 +252,57 @@ def reads_off_logging_steps(windows: List[List[int]], k_steps: int, log_every: i
         return index % k_steps == k_steps - 1 and (step + 1 == 1 or (step + 1) % log_every == 0)
 
     return {index: calls for index, (step, calls) in enumerate(windows) if calls and not logged(index, step)}
+
+
+# --------------------------------------------------------------------------- shared by in-process tests
+
+
+def knobs_of(target: Callable, conf: Optional[Path] = None) -> set:
+    """Every knob of a built-in model or data module: its constructor's arguments and the keys of
+    its conf (conf/model/*.yaml, conf/data/*.yaml). A test module's table of knob effects must
+    name each one: a knob added without a test of its own effect fails there."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    names = set(inspect.signature(target).parameters)
+    return names | (set(OmegaConf.load(conf)) - {"_target_"} if conf is not None else set())
+
+
+def attention_in_plain_matmuls(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch's scaled_dot_product_attention as two matrix products that torch's FLOP counter sees
+    (it counts no CPU SDPA kernel), the whole T x T of them as published FLOP formulas count:
+    grouped key/value heads repeated, causal or boolean masks, no dropout."""
+    assert dropout_p == 0, "FLOPs are counted without dropout"
+    if k.size(-3) != q.size(-3):  # grouped-query attention: each key/value head serves a group of query heads
+        k, v = (t.repeat_interleave(q.size(-3) // t.size(-3), -3) for t in (k, v))
+    scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).triu(1), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores.softmax(-1) @ v
+
+
+def optimizer_knob(make: Callable[..., pl.LightningModule]) -> None:
+    """A built-in model's `optimizer` (a partial optimizer class, as Hydra builds it): the one it trains with."""
+    import functools
+
+    chosen = make(optimizer=functools.partial(torch.optim.Adam, lr=0.25)).configure_optimizers()
+    chosen = chosen["optimizer"] if isinstance(chosen, dict) else chosen  # with a learning-rate schedule
+    assert isinstance(chosen, torch.optim.Adam) and chosen.defaults["lr"] == 0.25
+
+
+def channels_last_knob(make: Callable[..., pl.LightningModule]) -> None:
+    """A convolution model's `channels_last=true`: its convolution weights in channels-last on a CPU
+    too, where auto (the default) leaves them (tests/runner/test_device_path.py: on CUDA)."""
+    from data_files import on_device
+
+    def converted(**knob: Any) -> bool:
+        model = make(**knob)
+        model.trainer = on_device("cpu")
+        model.setup("fit")
+        return all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in model.modules()
+                   if isinstance(m, nn.Conv2d) and m.kernel_size != (1, 1))
+
+    assert converted(channels_last="true") and not converted()

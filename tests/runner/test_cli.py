@@ -2,16 +2,24 @@
 and no heavy import before the decision."""
 from __future__ import annotations
 
+import csv
+import itertools
+import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Iterator
 
 import pytest
+import yaml
 
 from runner import strategies
 from runner.command import usage
 
 HEAVY = ("torch", "pytorch_lightning", "lightning_fabric")
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def decide_in_process(*args: str, heavy=HEAVY + ("hydra", "omegaconf")) -> str:
@@ -147,3 +155,148 @@ def test_version_names_lightfleets_and_a_misspelt_subcommand_gets_did_you_mean(l
     assert version.returncode == 0 and version.stdout.startswith("lightfleet 0.") and "torch " in version.stdout
     typo = lightfleet("reprot")
     assert typo.returncode == 2 and "did you mean report?" in typo.stderr and len(typo.stderr.splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- every documented form of every subcommand
+
+
+def documented_lines() -> Iterator[str]:
+    """Every `lightfleet SUBCOMMAND ...` the user is shown: the command lines and inline code of
+    README.md and docs/*.md, and each subcommand's arguments in `lightfleet --help`."""
+    for path in [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for block in re.findall(r"```(?:bash|console|sh)?\n(.*?)```", text, flags=re.S):
+            yield from (line.split("  #")[0].strip().removeprefix("$ ") for line in block.splitlines())
+        yield from re.findall(r"`(lightfleet [^`]*)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    yield from (f"lightfleet {name} {arguments}" for name, (arguments, _) in usage.SUBCOMMANDS.items())
+
+
+def form_of(command: str, words: list) -> str:
+    """The shape of a subcommand's arguments: each run of paths PATH, of overrides KEY=VALUE, flags
+    as written (without their values)."""
+    shape, flag_value = [command], False
+    for word in words:
+        if flag_value:
+            flag_value = False
+            continue
+        if word.startswith("-"):
+            shape.append(word.split("=")[0])
+            flag_value = "=" not in word and word not in FLAGS_WITHOUT_VALUE
+        elif shape[-1] != (kind := "KEY=VALUE" if "=" in word else "PATH"):
+            shape.append(kind)
+    return " ".join(shape)
+
+
+FLAGS_WITHOUT_VALUE = ("--lines",)
+
+
+def documented_forms() -> dict:
+    """Each documented form -> the lines that show it. An optional [part] shows the form with and
+    without it; `a|b` two subcommands; `...` (more of the same, or left out) is no argument. The
+    subcommand alone is a form only where all its arguments are optional (report); elsewhere it
+    names the subcommand in prose."""
+    forms: dict = {}
+    for line in documented_lines():
+        groups = re.findall(r"\[[^\[\]]*\]", line)
+        for kept in itertools.product((False, True), repeat=len(groups)):
+            variant = line
+            for group, keep in zip(groups, kept):
+                variant = variant.replace(group, group[1:-1] if keep else "", 1)
+            words = [word for word in variant.split() if word != "..."]
+            if len(words) < 2 or words[0] != "lightfleet":
+                continue
+            for command in words[1].split("|"):
+                if command in usage.SUBCOMMANDS and (words[2:] or usage.SUBCOMMANDS[command][0].startswith("[")):
+                    forms.setdefault(form_of(command, words[2:]), []).append(line)
+    return forms
+
+
+# Each documented form -> the test that runs it and asserts what it does.
+FORMS = {
+    "eval PATH": "tests/runner/test_cli.py::test_eval_of_a_run_or_of_a_checkpoint_trains_nothing_and_prints_the_metrics",
+    "eval PATH KEY=VALUE": "tests/runner/test_cli.py::test_eval_of_a_run_or_of_a_checkpoint_trains_nothing_and_prints_the_metrics",
+    "eval KEY=VALUE": "tests/runner/test_cli.py::test_eval_of_a_run_or_of_a_checkpoint_trains_nothing_and_prints_the_metrics",
+    "replay PATH": "tests/runner/test_cli.py::test_replay_trains_the_saved_config_again_from_its_start_with_the_overrides",
+    "replay PATH KEY=VALUE": "tests/runner/test_cli.py::test_replay_trains_the_saved_config_again_from_its_start_with_the_overrides",
+    "resume PATH": "tests/test_hydra_app.py::test_resume_says_where_it_continues_counts_its_own_steps_and_refuses_a_finished_run",
+    "resume PATH KEY=VALUE": "tests/test_hydra_app.py::test_resume_continues_the_step_count_and_the_loss_curve",
+    "report": "tests/runner/test_report.py::test_no_path_reports_the_newest_sweep_under_multirun",
+    "report PATH": "tests/runner/test_cli.py::test_report_of_a_run_directory_through_the_command",
+    "report PATH --baseline": "tests/runner/test_report.py::test_a_run_directory_and_several_paths",
+    "report PATH --out": "tests/runner/test_report.py::test_a_run_directory_and_several_paths",
+    "import-fleet PATH": "tests/runner/test_fleet.py::test_default_output_is_the_file_stem_in_the_current_directory",
+    "import-fleet PATH -o": "tests/runner/test_fleet.py::test_import_train_and_export_through_the_command",
+    "export-fleet PATH": "tests/runner/test_fleet.py::test_import_train_and_export_through_the_command",
+    "export-fleet PATH -o": "tests/runner/test_fleet.py::test_export_writes_fleet_names_and_values",
+    "prepare-data PATH --tokenizer -o": "tests/runner/test_prepare_data.py::"
+                                        "test_text_files_become_token_files_that_decode_to_the_documents_each_followed_by_end_of_text",
+}
+
+
+def test_every_documented_form_of_every_subcommand_has_a_test_that_runs_it():
+    forms = documented_forms()
+    assert {"eval KEY=VALUE", "report", "export-fleet PATH -o"} <= set(forms)  # the reading finds them
+    assert sorted(forms) == sorted(FORMS), {form: forms.get(form, "not documented") for form in
+                                            set(forms) ^ set(FORMS)}
+    for form, test in FORMS.items():
+        path, name = test.split("::")
+        assert f"\ndef {name}(" in (PROJECT_ROOT / path).read_text(), (form, test)
+
+
+QUIET = ("trainer.enable_progress_bar=false",)
+
+
+@pytest.fixture(scope="module")
+def trained(lightfleet_in, tmp_path_factory) -> Path:
+    """A short run of the default model (4 steps, its last.ckpt) that eval, replay and report start from."""
+    folder = tmp_path_factory.mktemp("trained")
+    done = lightfleet_in(folder, "trainer.max_steps=4", "paths.output_dir=run", *QUIET)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder / "run"
+
+
+def ran(done: subprocess.CompletedProcess) -> tuple:
+    """The run directory the command says it wrote, and its results."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = Path(re.findall(r"^lightfleet: run directory (.+)$", done.stdout, flags=re.M)[-1])
+    return run, yaml.safe_load((run / "results.yaml").read_text())
+
+
+def evaluated(done: subprocess.CompletedProcess) -> dict:
+    run, results = ran(done)
+    assert re.search(r"^lightfleet: evaluated: (test_acc [0-9.]+, test_loss [0-9.]+, )?val_acc [0-9.]+, "
+                     r"val_loss [0-9.]+; run directory ", done.stdout, flags=re.M), done.stdout[-2000:]
+    # Nothing trained: no training loss, the checkpoint's step (Lightning's validate may say 0), no new checkpoint.
+    assert "train_loss" not in results and results["global_step"] in (0, 4)
+    assert not (run / "checkpoints").exists()
+    return results
+
+
+def test_eval_of_a_run_or_of_a_checkpoint_trains_nothing_and_prints_the_metrics(lightfleet, trained):
+    of_run = evaluated(lightfleet("eval", str(trained)))
+    # A checkpoint without a run directory: the config the overrides compose, evaluate=true.
+    of_checkpoint = evaluated(lightfleet("eval", f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}",
+                                         "trainer.max_steps=8", "paths.output_dir=of_checkpoint"))
+    tested = evaluated(lightfleet("eval", str(trained), "test=true", "paths.output_dir=tested"))
+    assert of_checkpoint["val_loss"] == tested["val_loss"] == of_run["val_loss"]  # the same weights, data and config
+    assert tested["test_loss"] > 0 and "test_loss" not in of_run
+
+
+def test_replay_trains_the_saved_config_again_from_its_start_with_the_overrides(lightfleet, trained):
+    first = yaml.safe_load((trained / "results.yaml").read_text())
+    run, again = ran(lightfleet("replay", str(trained)))
+    assert again["global_step"] == 4 and again["train_loss"] == pytest.approx(first["train_loss"])
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] is None  # from the start
+    run, shorter = ran(lightfleet("replay", str(trained), "trainer.max_steps=2", "paths.output_dir=shorter"))
+    assert shorter["global_step"] == 2 and yaml.safe_load((run / "config.yaml").read_text())["trainer"]["max_steps"] == 2
+
+
+def test_report_of_a_run_directory_through_the_command(lightfleet, trained, tmp_path):
+    run = shutil.copytree(trained, tmp_path / "copied")
+    done = lightfleet("report", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(run / "report.csv") as table:
+        (row,) = list(csv.DictReader(table))
+    assert row["job"] == "copied" and float(row["samples_per_s"]) == pytest.approx(
+        yaml.safe_load((run / "results.yaml").read_text())["samples_per_s"], rel=1e-3)
+    assert (run / "report.md").is_file() and "copied" in done.stdout

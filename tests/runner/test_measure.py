@@ -14,7 +14,8 @@ import yaml
 from pytorch_lightning.plugins.precision import MixedPrecision
 from torch.utils.flop_counter import FlopCounterMode
 
-from runner.data import SyntheticClassificationData
+from probe import attention_in_plain_matmuls
+from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
 from runner.models import GPTDecoder, MLPClassifier
 from runner.rank import measure
 from runner.rank.measure import RankFigures, RunMeter, peak_flops, percentile
@@ -91,14 +92,6 @@ def test_switched_off_the_run_records_no_figures(lightfleet, tmp_path):
     assert "samples_per_s" not in results(tmp_path / "run")
 
 
-def attention_in_plain_matmuls(q, k, v, is_causal):
-    """Causal attention as two counted matrix products (torch's counter may not see every SDPA kernel)."""
-    length = q.size(-2)
-    scores = (q @ k.transpose(-2, -1)) / q.size(-1) ** 0.5
-    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
-    return scores.softmax(-1) @ v
-
-
 def test_gpt_flops_per_token_matches_torchs_flop_counter(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", attention_in_plain_matmuls)
     model = GPTDecoder(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
@@ -171,7 +164,8 @@ import time
 
 from torch.utils.data import Dataset
 
-from runner.data import SyntheticClassificationData
+from probe import attention_in_plain_matmuls
+from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
 
 
 class Slow(Dataset):
@@ -265,6 +259,23 @@ def test_waiting_for_data_is_the_loaders_own_time_not_time_blocked_after_the_fet
     else:
         assert summary["data_wait_s"] < 0.01 and summary["data_wait_fraction"] < 0.1
     assert summary["device_idle_fraction"] is None  # a CPU: the host's clock is the device's
+
+
+@pytest.mark.parametrize("seq_len", [8, 32])
+def test_tokens_flops_and_mfu_of_a_language_model_follow_the_sequence_length(monkeypatch, tmp_path, seq_len):
+    # A device table of the test's own: 1 TFLOP/s. A sample is seq_len tokens, each the model's FLOPs a token.
+    monkeypatch.setattr(measure, "peak_flops", lambda device, computes_in: 1e12)
+    meter = RunMeter(warmup_steps=1)
+    model = GPTDecoder(vocab_size=64, seq_len=seq_len, d_model=32, n_heads=2, n_layers=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[meter], limit_val_batches=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, SyntheticLanguageModelData(seq_len=seq_len, num_train=64, batch_size=8, num_workers=0))
+    summary = meter.summary
+    assert summary["tokens_per_sample"] == seq_len
+    assert summary["flops_per_sample"] == model.flops_per_token * seq_len
+    assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * seq_len)
+    assert summary["mfu"] == pytest.approx(model.flops_per_token * seq_len * summary["samples_per_s"] / 1e12)
 
 
 def test_an_evaluation_and_a_sanity_check_measure_nothing_and_fail_nothing(tmp_path):
