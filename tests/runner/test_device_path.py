@@ -6,14 +6,13 @@ per micro-batch are tests/test_runs.py's."""
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import data_files
+from data_files import on_device
 from runner.data.loading import AUTO_WORKERS
 from runner.models import ResNetClassifier
 from runner.models.vision import VisionClassifier
@@ -25,18 +24,12 @@ DATA = {"classification": [], "images": [], "language_model": [],
                     "data.seq_len=16"]}
 
 
-def trainer_on(device: str, processes: int = 1) -> SimpleNamespace:
-    """What a data module reads of Lightning's trainer, for a run on `device`."""
-    return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=processes,
-                           current_epoch=0, distributed_sampler_kwargs=None)
-
-
 @pytest.mark.parametrize("data", sorted(DATA))
 def test_every_built_in_data_module_pins_its_batches_on_cuda_and_only_there(spec_for, field_files, data):
     spec = spec_for(f"data={data}", *(override.format(files=field_files) for override in DATA[data]))
     for device, pinned in (("cuda", True), ("cpu", False)):
         module = instantiate(spec.cfg.data, _convert_="all")
-        module.trainer = trainer_on(device)
+        module.trainer = on_device(device)
         module.setup("fit")
         assert module.train_dataloader().pin_memory is pinned and module.val_dataloader().pin_memory is pinned
         module.pin_memory = False  # the knob: data.pin_memory=false
@@ -50,7 +43,7 @@ def test_data_in_memory_gets_loader_workers_on_cuda_and_none_on_a_cpu(spec_for, 
     expected = {("cpu", 1): 0, ("cuda", 1): min(AUTO_WORKERS, os.cpu_count() - 1),
                 ("cuda", os.cpu_count()): 0}  # a node's processes leave each one core at least
     for (device, processes), workers in expected.items():
-        module.trainer = trainer_on(device, processes)
+        module.trainer = on_device(device, processes=processes)
         assert module.train_dataloader().num_workers == workers, (device, processes)
     module.num_workers = 3  # the knob: data.num_workers=3
     assert module.train_dataloader().num_workers == 3
@@ -95,7 +88,7 @@ def test_batches_reach_the_device_without_blocking_and_in_channels_last(model):
 def test_convolution_weights_take_channels_last_on_cuda_or_when_asked(model, device, setting, converted):
     module = model()
     module.channels_last = setting
-    module.trainer = trainer_on(device)
+    module.trainer = on_device(device)
     module.setup("fit")
     weights = [m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)]
     assert weights and all(w.is_contiguous(memory_format=torch.channels_last) == converted for w in weights)
