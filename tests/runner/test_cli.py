@@ -165,8 +165,9 @@ def documented_lines() -> Iterator[str]:
     README.md and docs/*.md, and each subcommand's arguments in `lightfleet --help`."""
     for path in [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]:
         text = path.read_text()
-        for block in re.findall(r"```(?:bash|console|sh)?\n(.*?)```", text, flags=re.S):
-            yield from (line.split("  #")[0].strip().removeprefix("$ ") for line in block.splitlines())
+        for language, block in re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S):
+            if language in ("", "bash", "console", "sh"):  # not a yaml or text block's lines
+                yield from (line.split("  #")[0].strip().removeprefix("$ ") for line in block.splitlines())
         yield from re.findall(r"`(lightfleet [^`]*)`", re.sub(r"```.*?```", "", text, flags=re.S))
     yield from (f"lightfleet {name} {arguments}" for name, (arguments, _) in usage.SUBCOMMANDS.items())
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from data_files import END_OF_TEXT, bpe_tokenizer, decoded_documents, documents
+from data_files import END_OF_TEXT, bpe_tokenizer, decoded_documents, documents, on_device
 from runner.data.hf_text import HFTextData
 
 SEQ_LEN = 8
@@ -108,16 +108,11 @@ def test_the_order_comes_from_the_run_seed_and_the_epoch_not_the_global_rng(file
 
 
 def test_ranks_take_disjoint_equal_shares_of_one_epochs_windows(files):
-    class Trainer:  # what the data reads of Lightning's trainer
-        current_epoch = 0
-
-        def __init__(self, rank):
-            self.distributed_sampler_kwargs = {"num_replicas": 2, "rank": rank}
-
     shares = []
     for rank in (0, 1):
         module = data(files)
-        module.trainer = Trainer(rank)
+        module.trainer = on_device(processes=2)
+        module.trainer.distributed_sampler_kwargs = {"num_replicas": 2, "rank": rank}
         shares.append(windows(module.train_dataloader()))
     everything = windows(data(files).train_dataloader())  # the epoch cut to a multiple of the ranks
     assert len(shares[0]) == len(shares[1]) == len(everything) // 2
