@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.progress import ProgressRelay
-from plugins.resume import own
+from runner.rank.progress import ProgressRelay
+from plugins.ranks import own
 from runner.command import cli, preflight
 from runner.command.console import AboveTheBar, InPlaceBar
 from runner.config.compose import CONFIG_NAME
@@ -93,7 +93,7 @@ def test_the_console_keeps_lightfleets_and_the_users_warnings_and_leaves_the_lib
         with warnings.catch_warnings():  # restores Python's own warning output afterwards
             warnings.simplefilter("always")
             logging.captureWarnings(True)
-            own([0, 1], "random generators", "each starts from the seed")  # plugins/resume.py: lightfleet's
+            own([0, 1], "random generators", "each starts from the seed")  # runner/rank/resume.py: lightfleet's
             warnings.warn("the user's own")  # this file: the user's code
             warnings.warn_explicit("a library's", UserWarning, torch.__file__, 1)
     finally:

@@ -121,7 +121,7 @@ def run_app(args: List[str]) -> int:
     from hydra.core.global_hydra import GlobalHydra
 
     from runner.command.job import run_job
-    from runner.config.compat import CONF_DIR
+    from runner.core.paths import CONF_DIR
     from runner.config.compose import CONFIG_NAME
 
     parser = get_args_parser()

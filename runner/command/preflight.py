@@ -85,7 +85,7 @@ def table(flight: Flight) -> None:
 
 
 def plan(flight: Flight) -> None:
-    from runner.config.checks import plan_for
+    from runner.command.planning import plan_for
 
     flight.plan = plan_for(flight.spec)
 

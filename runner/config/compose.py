@@ -28,7 +28,8 @@ from omegaconf.nodes import BooleanNode
 
 from runner import strategies
 from runner.config import schema
-from runner.config.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table
+from runner.config.compat import check, load_table
+from runner.core.paths import CONF_DIR, EXPERIMENTS_DIR
 from runner.core.errors import ConfigError, Refusal, first_line, require
 
 CONFIG_NAME = "config"  # conf/config.yaml; also stored as `lightfleet` for users' primary configs
