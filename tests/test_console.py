@@ -16,7 +16,7 @@ import torch
 
 from runner.rank.progress import ProgressRelay
 from plugins.ranks import own
-from runner.command import cli, preflight
+from runner.command import preflight
 from runner.command.console import AboveTheBar, InPlaceBar
 from runner.config.compose import CONFIG_NAME
 from runner.rank.train import NotFromLibraries
@@ -35,7 +35,7 @@ def job_log(run: Path) -> str:
 
 def preflight_of(*overrides: str) -> preflight.Flight:
     """The command's job stages on these overrides, in this process (the model built on the meta device)."""
-    return cli.checked(preflight.compose(list(overrides), None, CONFIG_NAME))
+    return preflight.check_job(preflight.compose(list(overrides), None, CONFIG_NAME))
 
 
 # torch.distributed.checkpoint's, each time last.ckpt is written again (where fit ends).
