@@ -311,7 +311,8 @@ def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: 
     "measured"; one the plan refuses gets "refused" (the reason) instead."""
     from omegaconf import OmegaConf
 
-    from runner.config.checks import plan_for, validate
+    from runner.config.checks import validate
+    from runner.command.planning import plan_for
     from runner.config.compose import compose_config
     from runner.core.errors import ConfigError, Refusal
 

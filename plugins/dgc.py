@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from plugins.dgc_compression import index_dtype, select
 from plugins.dgc_state import OPTIMIZER_KEY, DGCState
-from plugins.resume import gather, own
+from plugins.ranks import gather, own
 from runner.core.errors import ConfigError
 
 NEEDS_MOMENTUM_SGD = "dgc needs momentum SGD (torch.optim.SGD with momentum > 0)"

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from typing_extensions import override
 
-from plugins.resume import gather, own
+from plugins.ranks import gather, own
 
 
 def build_hook(begin_step: int) -> Tuple[PostLocalSGDState, Callable]:

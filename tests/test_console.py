@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.progress import ProgressRelay
-from plugins.resume import own
-from runner.command import cli, preflight
+from runner.rank.progress import ProgressRelay
+from plugins.ranks import own
+from runner.command import preflight
 from runner.command.console import AboveTheBar, InPlaceBar
 from runner.config.compose import CONFIG_NAME
 from runner.rank.train import NotFromLibraries
@@ -35,7 +35,7 @@ def job_log(run: Path) -> str:
 
 def preflight_of(*overrides: str) -> preflight.Flight:
     """The command's job stages on these overrides, in this process (the model built on the meta device)."""
-    return cli.checked(preflight.compose(list(overrides), None, CONFIG_NAME))
+    return preflight.check_job(preflight.compose(list(overrides), None, CONFIG_NAME))
 
 
 # torch.distributed.checkpoint's, each time last.ckpt is written again (where fit ends).
@@ -93,7 +93,7 @@ def test_the_console_keeps_lightfleets_and_the_users_warnings_and_leaves_the_lib
         with warnings.catch_warnings():  # restores Python's own warning output afterwards
             warnings.simplefilter("always")
             logging.captureWarnings(True)
-            own([0, 1], "random generators", "each starts from the seed")  # plugins/resume.py: lightfleet's
+            own([0, 1], "random generators", "each starts from the seed")  # runner/rank/resume.py: lightfleet's
             warnings.warn("the user's own")  # this file: the user's code
             warnings.warn_explicit("a library's", UserWarning, torch.__file__, 1)
     finally:

@@ -2,10 +2,15 @@
 bottom to top), each importing only downwards; no loops; the pure modules (runner.PURE) never
 import torch, Lightning, Hydra or plugins; one place makes plans.
 
-Every import counts, also those inside functions (a lazy import still ties the modules)."""
+Every import counts, also those inside functions (a lazy import still ties the modules), and so
+does a module named in a string: a plan's component ("plugins.ddp:build_ddp") or a `_target_`
+("runner.models.GPTDecoder") is imported where it is loaded, but the module that names it depends
+on it all the same. The strategies and the config's contributors name their plugins that way:
+saying what carries them out is their job (CONTRIBUTORS)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -15,6 +20,9 @@ import runner
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "hydra", "omegaconf", "plugins")
+# The layers whose modules contribute to the plan: they may name plugins/ components in strings.
+CONTRIBUTORS = ("strategies", "config")
+DOTTED_NAME = re.compile(r"^(?:runner|plugins)(?:\.\w+)+(?::\w+)?$")
 
 
 def module_name(path: Path) -> str:
@@ -41,6 +49,18 @@ def imports(name: str) -> Set[str]:
 
 def project_imports(name: str) -> Set[str]:
     return {other for other in imports(name) if other in MODULES and other != name}
+
+
+def named_in_strings(name: str) -> Set[str]:
+    """The project modules `name` names in string constants: a component's module ("x.y:attr"), or
+    the longest module prefix of a dotted `_target_` ("x.y.Class")."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED_NAME.match(node.value):
+            parts = node.value.partition(":")[0].split(".")
+            prefixes = [".".join(parts[:end]) for end in range(len(parts), 0, -1)]
+            found.update(prefix for prefix in prefixes[:1 + (":" not in node.value)] if prefix in MODULES)
+    return found - {name}
 
 
 def top_name(name: str) -> str:
@@ -75,6 +95,25 @@ def test_every_folder_of_runner_is_a_layer():
 def test_imports_point_down_the_layers(name):
     upward = sorted(other for other in project_imports(name) if layer_of(other) > layer_of(name))
     assert not upward, f"{name} (layer {layer_of(name)}) imports higher layers: {upward}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_named_in_strings_point_down_the_layers_too(name):
+    contributes = top_name(name) in CONTRIBUTORS
+    upward = sorted(other for other in named_in_strings(name) if layer_of(other) > layer_of(name)
+                    and not (contributes and other.startswith("plugins.")))
+    assert not upward, f"{name} (layer {layer_of(name)}) names higher layers in strings: {upward}"
+
+
+def test_a_string_naming_a_higher_layer_is_caught():
+    # The layer test's own check: config/checks.py named the rank's callbacks by string before
+    # they moved up with the plan (runner/rank/callbacks.py, runner/command/planning.py).
+    source = 'RUNNER = [Component("runner.rank.measure:RunMeter"), "runner.models.GPTDecoder", "plugins.ddp:build_ddp"]'
+    named = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED_NAME.match(node.value):
+            named.add(node.value)
+    assert named == {"runner.rank.measure:RunMeter", "runner.models.GPTDecoder", "plugins.ddp:build_ddp"}
 
 
 def test_no_import_loops():
@@ -113,4 +152,4 @@ def test_one_place_makes_plans():
     callers = sorted(name for name, path in MODULES.items() if name != "runner.core.plan"
                      and any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
                              == "make_plan" for node in ast.walk(ast.parse(path.read_text()))))
-    assert callers == ["runner.config.checks"]
+    assert callers == ["runner.command.planning"]

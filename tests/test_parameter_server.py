@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runner.command import preflight
-from runner.config.checks import plan_for
+from runner.command.planning import plan_for
 from runner.core.errors import ConfigError, Refusal
 from runner.core.plan import format_plan
 

@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 import yaml
 
 from probe import reads_off_logging_steps
-from runner.config.compat import EXPERIMENTS_DIR
+from runner.core.paths import EXPERIMENTS_DIR
 
 
 

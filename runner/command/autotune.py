@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 from plugins.auto import gather_facts
 from runner.rank.build import device_type, instantiate_checked
 from runner.config.compat import load_table
-from runner.config.checks import RunSpec, plan_for, validate
+from runner.config.checks import RunSpec, validate
+from runner.command.planning import plan_for
 from runner.core.contribution import Facts
 from runner.core.errors import ConfigError, Refusal
 from runner.core.plan import Plan

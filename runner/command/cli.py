@@ -6,7 +6,9 @@ Bad input (a typo, a wrong type, an out-of-range value, a forbidden combination,
 process starts or torch is imported: a plain `strategy=[...]` is checked against the table
 before Hydra is even imported, then the command composes the config as Hydra will and checks it
 (every job of a basic sweep too). Only then does Hydra run the job(s) (runner/command/job.py) in the
-directory the command reserved.
+directory the command reserved: a single run's one job on the config the command composed and
+checked (one composition, one check), a sweep's jobs through Hydra's launcher, each handed the
+command's check of it.
 """
 from __future__ import annotations
 
@@ -16,15 +18,16 @@ import sys
 from argparse import ArgumentParser
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, List, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from runner.command import preflight, usage
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
+from runner.core.paths import CONF_DIR
 from runner.core.clock import mark_start
 from runner.rank.parent import INTERRUPTED, STOPPED
 
 if TYPE_CHECKING:  # Hydra and OmegaConf are imported only once the table allows the run
-    from omegaconf import DictConfig
+    from argparse import Namespace
 
 # `lightfleet COMMAND RUN_DIR [overrides]`: again from the config a run saved, into a new directory.
 RUN_DIR_COMMANDS = ("replay", "resume", "eval")
@@ -117,45 +120,72 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
 
 
 def run_app(args: List[str]) -> int:
-    from hydra._internal.utils import _run_hydra, get_args_parser
-    from hydra.core.global_hydra import GlobalHydra
-
-    from runner.command.job import run_job
-    from runner.config.compat import CONF_DIR
+    from runner.config import hydra_api
     from runner.config.compose import CONFIG_NAME
 
-    parser = get_args_parser()
+    parser = hydra_api.args_parser()
     parser.prog = "lightfleet"
     parser.error = partial(refuse_flags, parser)
     parsed = parser.parse_args(args)
     parsed.config_dir, parsed.config_path = user_config_dir(parsed.config_dir, parsed.config_path), None
     config_name = parsed.config_name or CONFIG_NAME
-    shows = parsed.help or parsed.cfg or parsed.info or parsed.hydra_help or parsed.shell_completion
-    sweep_dir = None
-    if not shows:
-        check_job = check_sweep if parsed.multirun else check_run
-        reserved = check_job(parsed.overrides, parsed.config_dir, config_name)
-        if reserved is None:  # a dry run: the plans are printed
-            return 0
-        directory, pointers = reserved
-        parsed.overrides += pointers
-        sweep_dir = directory if parsed.multirun else None
-    elif not (parsed.hydra_help or parsed.shell_completion):
-        preflight.compose(parsed.overrides, parsed.config_dir, config_name)  # errors in one line
+    if parsed.help or parsed.cfg or parsed.info or parsed.hydra_help or parsed.shell_completion:
+        if not (parsed.hydra_help or parsed.shell_completion):
+            preflight.compose(parsed.overrides, parsed.config_dir, config_name)  # errors in one line
+        run_sweep(parsed, parser, config_name, {})  # Hydra shows what the flag asks for
+        return 0
+    if parsed.multirun:
+        return sweep(parsed, parser, config_name)
+    return run(parsed.overrides, parsed.config_dir, config_name)
+
+
+def run(overrides: List[str], config_dir: Optional[str], config_name: str) -> int:
+    """A single run: composed and checked once, here; a dry run prints its plan, else Hydra runs
+    the one job on that config, in the directory reserved for it, handed the check."""
+    from runner.command.job import run_checked
+    from runner.config import hydra_api
+    from runner.config.compose import load_hydra
+
+    cfg = preflight.compose(overrides, config_dir, config_name)
+    flight = preflight.check_job(cfg)
+    if flight.spec.cfg.dry_run:
+        print(dry_run_text(flight))
+        return 0
+    run_dir, subdir = preflight.run_directory(cfg, flight.plan)
+    hydra_api.run_one(load_hydra(config_dir), cfg, str(run_dir / subdir), partial(run_checked, flight.for_the_job(), run_dir),
+                      config_name)
+    return 0
+
+
+def sweep(parsed: "Namespace", parser: ArgumentParser, config_name: str) -> int:
+    """A `-m` sweep: every job of a basic sweep checked here (`check_sweep`), then Hydra's sweeper
+    and launcher run them, each job handed its check; the sweep's summary last."""
+    checked = check_sweep(parsed.overrides, parsed.config_dir, config_name)
+    if checked is None:  # a dry run: the plans are printed
+        return 0
+    sweep_dir, flights = checked
+    parsed.overrides += [hydra_override("hydra.sweep.dir", sweep_dir)]
     if "hydra/sweeper=optuna" in parsed.overrides and not sys.stdout.isatty():
         import optuna
 
         optuna.logging.disable_default_handler()  # its coloured set-up lines are for terminals
-    GlobalHydra.instance().clear()
     try:
-        _run_hydra(args=parsed, args_parser=parser, task_function=run_job, config_path=str(CONF_DIR),
-                   config_name=config_name)
+        run_sweep(parsed, parser, config_name, flights)
     except SystemExit as stop:
-        if sweep_dir is None or stop.code not in STOPPED:
+        if stop.code not in STOPPED:
             raise
         summarize_sweep(sweep_dir)  # a job was preempted or interrupted: the sweep stops there, its summary says so
         return stop.code
-    return summarize_sweep(sweep_dir) if sweep_dir is not None else 0
+    return summarize_sweep(sweep_dir)
+
+
+def run_sweep(parsed: "Namespace", parser: ArgumentParser, config_name: str,
+              flights: Dict[Tuple[str, ...], preflight.Flight]) -> None:
+    """Hydra's application on the parsed command line, its jobs run by `run_sweep_job` with `flights`."""
+    from runner.command.job import run_sweep_job
+    from runner.config import hydra_api
+
+    hydra_api.run_app(parsed, parser, partial(run_sweep_job, flights), str(CONF_DIR), config_name)
 
 
 def refuse_flags(parser: ArgumentParser, message: str) -> NoReturn:
@@ -187,39 +217,28 @@ def user_config_dir(config_dir: Optional[str], config_path: Optional[str]) -> Op
     return str(path)
 
 
-Reserved = Optional[Tuple[Path, List[str]]]  # a directory, and the overrides that point Hydra there
-
-
-def check_run(overrides: List[str], config_dir: Optional[str], config_name: str) -> Reserved:
-    """The preflight of a run; print the plan of a dry run (None), or reserve its directory."""
-    cfg = preflight.compose(overrides, config_dir, config_name)
-    flight = checked(cfg, overrides)
-    if flight.spec.cfg.dry_run:
-        print(dry_run_text(flight))
-        return None
-    run_dir, subdir = preflight.run_directory(cfg, flight.plan)
-    return run_dir, [hydra_override("hydra.run.dir", run_dir / subdir)]
-
-
-def check_sweep(overrides: List[str], config_dir: Optional[str], config_name: str) -> Reserved:
+def check_sweep(overrides: List[str], config_dir: Optional[str],
+                config_name: str) -> Optional[Tuple[Path, Dict[Tuple[str, ...], preflight.Flight]]]:
     """The preflight of every job of a basic sweep. A job Hydra cannot compose (an unknown option)
     refuses the sweep: Hydra's launcher would stop at it mid-sweep. Jobs the other stages refuse
     are reported together and skipped (Hydra still launches them; each stops at once); a sweep
     none of whose jobs can run is refused. Other sweepers (Optuna) choose their jobs as they go:
     the config without the swept keys is checked, and each job checks itself.
-    Reserves the sweep directory (None: a dry run, whose plans are printed)."""
+    The sweep's directory, reserved, and each checked job's flight by its overrides (None: a dry
+    run, whose plans are printed)."""
     from runner.config.compose import expand_sweep
+    from runner.config.hydra_api import BASIC_SWEEPER
 
     cfg = preflight.compose(overrides, config_dir, config_name, multirun=True)
-    if cfg.hydra.sweeper._target_ != "hydra._internal.core_plugins.basic_sweeper.BasicSweeper":
-        flights = [(0, overrides, checked(cfg))]
+    if cfg.hydra.sweeper._target_ != BASIC_SWEEPER:
+        flights = [(0, overrides, preflight.check_job(cfg))]
     else:
         flights = []
         for number, job in enumerate(expand_sweep(overrides, config_dir)):
             shown = " ".join(preflight.job_overrides(job))  # as the job prints them
             cfg_of_job = preflight.compose(job, config_dir, config_name)  # Hydra would stop here
             try:
-                flights.append((number, job, checked(cfg_of_job, job)))
+                flights.append((number, job, preflight.check_job(cfg_of_job)))
             except (ConfigError, Refusal) as problem:
                 print(f"lightfleet: job {number} ({shown}) skipped: {problem}", file=sys.stderr)
         if not flights:
@@ -228,8 +247,9 @@ def check_sweep(overrides: List[str], config_dir: Optional[str], config_name: st
         for number, job, flight in flights:
             print(f"--- job {number}: {' '.join(job)}\n{dry_run_text(flight)}")
         return None
-    sweep_dir = preflight.sweep_directory(cfg)
-    return sweep_dir, [hydra_override("hydra.sweep.dir", sweep_dir)]
+    by_job = {preflight.job_overrides(job): flight.for_the_job() for number, job, flight in flights
+              if cfg.hydra.sweeper._target_ == BASIC_SWEEPER}  # another sweeper's jobs check themselves
+    return preflight.sweep_directory(cfg), by_job
 
 
 def dry_run_text(flight: preflight.Flight) -> str:
@@ -242,19 +262,6 @@ def dry_run_text(flight: preflight.Flight) -> str:
     from runner.command.autotune import preview
 
     return f"{format_plan(flight.plan)}\n{preview(flight.spec)}"
-
-
-def checked(cfg: DictConfig, overrides: Optional[List[str]] = None) -> preflight.Flight:
-    """The job stages of the preflight on `cfg`, a config as Hydra composes it (with its `hydra`
-    node), kept for the job of `overrides` when given."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    HydraConfig.instance().set_config(cfg)  # `${hydra:...}` resolves as it will in the job
-    job_cfg = cfg.copy()
-    with open_dict(job_cfg):
-        del job_cfg["hydra"]
-    return preflight.check_job(job_cfg, overrides)
 
 
 def hydra_override(key: str, path: Path) -> str:

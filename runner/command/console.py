@@ -1,4 +1,4 @@
-"""The command's console while its ranks train: rank 0's progress bar, which plugins/progress.py
+"""The command's console while its ranks train: rank 0's progress bar, which runner/rank/progress.py
 relays as its latest line into a file, drawn as one line in place below the ranks' other lines.
 On a terminal the line is redrawn as it changes; elsewhere (a pipe, a CI log) it is printed at
 most every PLAIN_EVERY_S seconds, and once at the end."""

@@ -1,10 +1,12 @@
-"""One job of the `lightfleet` command: Hydra's task function.
+"""One job of the `lightfleet` command: what Hydra runs in the job's directory.
 
 Hydra has made the job's directory (`hydra.runtime.output_dir`) and its log file. The job takes
-the command's preflight of it (runner/command/preflight.py; a job the command never saw, one a
-sweeper such as Optuna chose, runs the preflight's job stages itself), records
-config, plan and environment there and launches its processes (runner/command/launch.py). It returns
-the run's `optimized_metric` for sweepers that optimise one, and for a job that could not run the
+the command's preflight of it (runner/command/preflight.py) as the command hands it over: a
+single run's (`run_checked`), or a sweep job's, looked up by its overrides in whatever process
+the launcher runs it (`run_sweep_job`; a job the command never saw, one an optimising sweeper
+such as Optuna chose, runs the preflight's job stages itself, once). It records config, plan and
+environment there and starts its processes (runner/command/launch.py). A sweep job returns the
+run's `optimized_metric` for sweepers that optimise one, and for a job that could not run the
 worst value of the sweep's direction (`no_result`), so that Optuna goes on and steers away from it.
 """
 from __future__ import annotations
@@ -16,71 +18,69 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, TextIO, Tuple
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.command.preflight import checked_job
+from runner.command import launch
+from runner.command.preflight import Flight, check_job
 from runner.config.checks import RunSpec
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error
 from runner.core.plan import Plan, format_plan
 from runner.core.clock import mark_start
 from runner.records import files
-from runner.records.run_dir import create_run_dir, record_failure, records_subdir, write_yaml
+from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.core.world import World, external_rank
 from runner.rank.parent import INTERRUPTED, STOPPED, exit_status
 
 log = logging.getLogger(__name__)
 
 
-def prepare(cfg: DictConfig, command: Sequence[str]) -> Tuple[RunSpec, Plan, Optional[int]]:
-    """The job's checked config and plan, and the step its ckpt_path was saved at: from the
-    command's preflight when it checked this job, else from running the job stages now (a job an
-    optimising sweeper chose)."""
-    flight = checked_job(cfg, command)
-    return flight.spec, flight.plan, flight.start_step
+def run_checked(flight: Flight, run_dir: Path, _cfg: DictConfig) -> None:
+    """The one job of a single run, with the command's preflight of it; `run_dir` is the run's
+    directory (the job records into it, or into its subdirectory for a second node or an
+    externally launched rank: Hydra's job directory)."""
+    hydra = HydraConfig.get()
+    records = Path(hydra.runtime.output_dir)
+    spec, command = flight.spec, list(hydra.overrides.task)
+    spec.cfg.paths.output_dir = str(run_dir)
+    spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
+    with exit_on_user_error():
+        try:
+            code = train_run(spec, flight.plan, command, records, flight.start_step)
+        except (ConfigError, Refusal):
+            raise
+        except Exception as error:  # the user's code failed in this process: one line, the rest in the log
+            log_to_file_only("run failed")
+            print(f"lightfleet: run failed: {error_line(error)}; traceback in "
+                  f"{records / (hydra.job.name + '.log')}", file=sys.stderr)
+            sys.exit(1)
+        if code:
+            sys.exit(code)
 
 
-def run_job(cfg: DictConfig) -> Optional[float]:
+def run_sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig) -> Optional[float]:
+    """One job of a sweep, with the command's preflight of it when the command checked it
+    (`checked`, by the job's overrides), else checked here, once."""
     hydra = HydraConfig.get()
     records = Path(hydra.runtime.output_dir)
     command = list(hydra.overrides.task)
-    if hydra.mode != RunMode.MULTIRUN:
-        with exit_on_user_error():
-            spec, plan, start_step = prepare(cfg, command)
-            # paths.output_dir records the directory Hydra runs in (it may have been named by
-            # hydra.run.dir); a second node or rank keeps its records in a subdirectory of it.
-            depth = len(Path(records_subdir(World(**plan.world))).parts)
-            spec.cfg.paths.output_dir = str(records.parents[depth - 1] if depth else records)
-            spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
-            try:
-                code = launch(spec, plan, command, records, start_step)
-            except (ConfigError, Refusal):
-                raise
-            except Exception as error:  # the user's code failed in this process: one line, the rest in the log
-                log_to_file_only("run failed")
-                print(f"lightfleet: run failed: {error_line(error)}; traceback in "
-                      f"{records / (hydra.job.name + '.log')}", file=sys.stderr)
-                sys.exit(1)
-            if code:
-                sys.exit(code)
-            return objective(spec, records)
     try:
-        spec, plan, start_step = prepare(cfg, command)
+        flight = checked.get(tuple(command)) or check_job(cfg)
     except (ConfigError, Refusal) as problem:
         print(f"lightfleet: job {hydra.job.num} ({' '.join(command)}) skipped: {problem}", file=sys.stderr)
         shutil.rmtree(records)  # only Hydra's files: the job never started; it leaves its reason
         records.mkdir()
         write_yaml(records / files.REFUSED_YAML, {"overrides": command, "reason": str(problem)})
         return no_result()
+    spec = flight.spec
     spec.cfg.paths.output_dir, spec.cfg.paths.sweep_dir = str(records), hydra.sweep.dir
     spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
     print(f"lightfleet: job {hydra.job.num}: {' '.join(command)}", flush=True)
     mark_start()  # the job's start-up time counts from here, not from the sweep's start
     try:
-        code = launch(spec, plan, command, records, start_step)
+        code = train_run(spec, flight.plan, command, records, flight.start_step)
         if code in STOPPED:  # the sweep stops with its job, as a run does
             sys.exit(code)
         return objective(spec, records) if code == 0 else no_result()
@@ -92,7 +92,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     return no_result()
 
 
-def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, start_step: Optional[int]) -> int:
+def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, start_step: Optional[int]) -> int:
     """Record the run in `records` and train (from `start_step`, ckpt_path's, if any); a failed
     rank becomes one line naming its log."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -100,13 +100,11 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, sta
 
     from runner.rank.preemption import Preempted
 
-    from runner.command import launch as launcher
-
     if "auto" in plan.strategies:  # chosen now, before any rank starts
         from runner.command.autotune import choose
 
         try:
-            with launcher.stopping_at_once():  # a trial under way is stopped with the command
+            with launch.stopping_at_once():  # a trial under way is stopped with the command
                 chosen = choose(spec, records, command)
         except Preempted as stop:
             say(f"lightfleet: stopped by {signal.Signals(stop.signum).name} in strategy=[auto]'s search, nothing "
@@ -123,7 +121,7 @@ def launch(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, sta
             f"(checkpoint {spec.cfg.ckpt_path})")
     started = time.monotonic()
     try:
-        launcher.run(records, World(**plan.world))
+        launch.run(records, World(**plan.world))
     except (SignalException, Preempted) as stop:  # a checkpoint at the agreed step, or none if still starting
         # In this process, Preempted knows the step; from the agent, the signal the ranks were passed.
         signum, step = (stop.signum, stop.step) if isinstance(stop, Preempted) else (stop.sigval, None)

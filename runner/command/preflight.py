@@ -12,9 +12,9 @@ runner.command.preflight`), and tests/runner/test_preflight.py checks that it is
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from runner.config.compat import check, load_table, strategies_from_argv
 from runner.core.errors import ConfigError, require
@@ -38,8 +38,12 @@ class Flight:
     plan: Optional[Plan] = None
     model: Any = None  # the user's model built on the meta device (None: its constructor needs real tensors)
     datamodule: Any = None  # the user's data module (None: its constructor needs real tensors)
-    model_builds: int = 0  # how often this job built the model on the meta device (tests count it)
     start_step: Optional[int] = None  # the step ckpt_path was saved at (None: no ckpt_path)
+
+    def for_the_job(self) -> "Flight":
+        """What the job takes: the checked config, plan and start step (the meta-device model and
+        the data module stay here: a launcher may carry the flight to another process)."""
+        return replace(self, model=None, datamodule=None)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ def table(flight: Flight) -> None:
 
 
 def plan(flight: Flight) -> None:
-    from runner.config.checks import plan_for
+    from runner.command.planning import plan_for
 
     flight.plan = plan_for(flight.spec)
 
@@ -127,7 +131,6 @@ def targets(flight: Flight) -> None:
         if node:
             check_logger_package(f"logger.{name}", node)
     flight.model, flight.datamodule = check_builds(run["model"], run["data"])
-    flight.model_builds += 1
 
 
 def the_model_on_one_batch(flight: Flight) -> None:
@@ -249,9 +252,6 @@ RANK_ONLY = (
 )
 JOB_STAGES = tuple(stage for stage in STAGES if stage.per_job)
 
-# Jobs the command has checked, by their overrides (Hydra's task overrides: no hydra.* key), for
-# the job to take; a job takes its entry once.
-_checked: Dict[Tuple[str, ...], Flight] = {}
 
 
 def job_overrides(overrides: Sequence[str]) -> Tuple[str, ...]:
@@ -259,20 +259,22 @@ def job_overrides(overrides: Sequence[str]) -> Tuple[str, ...]:
     return tuple(o for o in overrides if not o.lstrip("+~").startswith("hydra"))
 
 
-def check_job(cfg: "DictConfig", overrides: Optional[Sequence[str]] = None) -> Flight:
-    """Run the job stages on `cfg` (composed, without Hydra's node; HydraConfig set, so that
-    `${hydra:...}` resolves); with `overrides`, keep the result for the job of those overrides."""
+def check_job(cfg: "DictConfig") -> Flight:
+    """Run the job stages on `cfg`, a composed config. With its `hydra` node (as the command
+    composes it), `${hydra:...}` is made to resolve as it will in the job and the stages check the
+    config without it; without one (as a job gets it), Hydra has set that up already."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    if "hydra" in cfg:
+        HydraConfig.instance().set_config(cfg)
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
     flight = Flight(cfg)
     for stage in JOB_STAGES:
         stage.run(flight)
-    if overrides is not None:
-        _checked[job_overrides(overrides)] = flight
     return flight
-
-
-def checked_job(cfg: "DictConfig", overrides: Sequence[str]) -> Flight:
-    """The job's preflight: the command's, when it checked this job in this process; else run now."""
-    return _checked.pop(job_overrides(overrides), None) or check_job(cfg)
 
 
 def document() -> str:

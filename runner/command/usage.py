@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from runner.command.preflight import stage_names
-from runner.config.compat import CONF_DIR, EXPERIMENTS_DIR
+from runner.core.paths import CONF_DIR, EXPERIMENTS_DIR
 from runner.core.errors import ConfigError
 
 # Each subcommand: its arguments, and what it does.

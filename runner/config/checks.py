@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, is_dataclass
-from functools import partial
 from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -15,9 +14,7 @@ from hydra.errors import HydraException
 from runner import strategies
 from runner.config import schema
 from runner.config.compose import explain
-from runner.core.contribution import Component, Contribution
 from runner.core.errors import ConfigError, first_line, require
-from runner.core.plan import RUNNER, Plan, make_plan
 from runner.core.world import World
 
 
@@ -165,45 +162,3 @@ def resolved(cfg: DictConfig) -> Dict[str, Any]:
         for part in key.split("."):
             raw = raw.get(part) if isinstance(raw, dict) else None
         raise ConfigError(key, raw, f"cannot be resolved: {first_line(error.__cause__ or error)}") from None
-
-
-def shows_own_progress_bar(spec: RunSpec) -> bool:
-    """Whether lightfleet's bar (plugins/progress.py: it counts steps where steps bound the run)
-    replaces Lightning's default one: the bar is on and the config's callbacks bring none. Lightning
-    allows one bar; a callback whose class name ends in ProgressBar (Lightning's, rich's, ours) is one."""
-    trainer = spec.trainer
-    brought = any(str(node.get("_target_", "")).endswith("ProgressBar") for node in spec.cfg.callbacks.values() if node)
-    return trainer.enable_progress_bar is not False and not trainer.barebones and not brought
-
-
-def plan_for(spec: RunSpec) -> Plan:
-    """The run's plan, once the table allows its strategies (the preflight's stage before this one;
-    auto's candidates come from the table's rows): the one place plans are made (by the command, for
-    the run and for auto's trials; ranks read the plan.yaml it saves). Besides the
-    strategies', lightfleet's own contributions: the collective knobs' (their cross-field rule
-    against trainer.benchmark refuses here), the fast path's (refused beside a strategy it cannot
-    serve; the collective fusion flags' compile is its compile, in its mode) and the runner's
-    callbacks."""
-    measure = OmegaConf.to_object(spec.cfg.measure)
-    runner_callbacks = Contribution(callbacks=[
-        *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
-        Component("runner.rank.measure:LastValidation"),  # the step of the summary's val_loss
-        Component("runner.rank.preemption:Preemption"),  # checkpoints/last.ckpt at a preemption signal
-        Component("plugins.resume:RandomStates"), Component("plugins.resume:EpochEndPosition"),  # exact resumes
-        *([Component("plugins.progress:StepsProgressBar")] if shows_own_progress_bar(spec) else [])])
-
-    def cuda_available() -> bool:  # deliberately lazy: asked only when a contribution needs the device type
-        import torch
-
-        return torch.cuda.is_available()
-
-    fast_path = OmegaConf.to_object(spec.cfg.fast_path)
-    # The collective knobs first: the fast path's fused optimizer rebuilds what their foreach set.
-    plan = make_plan(spec.strategies, spec.trainer, spec.batch_size, cuda_available=cuda_available,
-                     lightfleet={"collective": partial(OmegaConf.to_object(spec.cfg.collective).contribute,
-                                                       compile_mode=fast_path.compile_mode),
-                                 "fast_path": fast_path.contribute, RUNNER: lambda run: runner_callbacks})
-    note = OmegaConf.to_object(spec.cfg.parameter_server).note()
-    plan.notes += [note] if note else []
-    return plan
-

@@ -17,8 +17,10 @@ from typing import Any, Dict, List, Optional
 from runner.config.fast_path import FastPathConfig, compile_transform
 from runner.core.contribution import Component, Contribution, RunShape
 from runner.core.errors import require
-from runner.core.plan import LIGHTFLEET_DDP
 
+# The Lightning strategy of a run of several processes whose strategies bring none: DDP, with the
+# collective knobs' bucket size and unused-parameter search, and hooks on any device.
+LIGHTFLEET_DDP = Component("plugins.ddp:build_ddp")
 # fuse_all_reduce_ops=false: DDP always buckets gradients (a bucket per tensor cannot be asked for);
 # 1 KB buckets come closest, each holding one tensor or a few small ones.
 UNFUSED_BUCKET_MB = 0.001
@@ -162,7 +164,7 @@ class CollectiveConfig:
         if why:
             contribution.trainer_args["benchmark"] = True
             contribution.notes.append(f"cudnn.benchmark on: {why}")
-        if run.lightning_strategy == LIGHTFLEET_DDP:
+        if run.lightning_strategy == LIGHTFLEET_DDP.target:
             contribution.lightning_strategy_args.update(
                 bucket_cap_mb=self.fuse_grad_size_in_MB if self.fuse_all_reduce_ops else UNFUSED_BUCKET_MB,
                 find_unused_parameters=self.find_unused_parameters)

@@ -16,11 +16,7 @@ import yaml
 
 from runner import strategies
 from runner.core.errors import ConfigError, Refusal
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = PROJECT_ROOT / "conf"
-EXPERIMENTS_DIR = PROJECT_ROOT / "experiments"
-
+from runner.core.paths import CONF_DIR
 
 @dataclass(frozen=True)
 class Table:

@@ -13,10 +13,6 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from hydra import version
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra._internal.hydra import Hydra
-from hydra._internal.utils import create_automatic_config_search_path
-from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -27,8 +23,10 @@ from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import BooleanNode
 
 from runner import strategies
-from runner.config import schema
-from runner.config.compat import CONF_DIR, EXPERIMENTS_DIR, check, load_table
+from runner.config import hydra_api, schema
+from runner.config.hydra_api import Hydra
+from runner.config.compat import check, load_table
+from runner.core.paths import CONF_DIR, EXPERIMENTS_DIR
 from runner.core.errors import ConfigError, Refusal, first_line, require
 
 CONFIG_NAME = "config"  # conf/config.yaml; also stored as `lightfleet` for users' primary configs
@@ -68,23 +66,14 @@ def store_saved_run(saved_config: Path) -> None:
     ConfigStore.instance().store(name=SAVED_RUN, node=OmegaConf.create({"defaults": [{"hydra": "default"}, "_self_"], **node}))
 
 
-def search_path(config_dir: Optional[str] = None):
-    """Hydra's search path for lightfleet: conf/ first, then `config_dir` (as `--config-dir` adds it)."""
-    path = create_automatic_config_search_path(None, None, str(CONF_DIR))
-    if config_dir is not None:
-        path.prepend(provider="command-line", path=f"file://{config_dir}", anchor=SearchPathQuery(provider="schema"))
-    return path
-
-
 _loaded_for: List[Optional[str]] = []  # the config dir the global Hydra object was made for
 
 
 def load_hydra(config_dir: Optional[str] = None) -> Hydra:
-    """The global Hydra object over `search_path(config_dir)`, made once per config dir."""
+    """The global Hydra object over conf/ and `config_dir` (hydra_api.search_path), made once per config dir."""
     if not (GlobalHydra.instance().is_initialized() and _loaded_for == [config_dir]):
-        GlobalHydra.instance().clear()
         register_configs()
-        Hydra.create_main_hydra2(task_name=TASK_NAME, config_search_path=search_path(config_dir))
+        hydra_api.create_hydra(TASK_NAME, hydra_api.search_path(str(CONF_DIR), config_dir))
         _loaded_for[:] = [config_dir]
     return GlobalHydra.instance().hydra
 
@@ -177,10 +166,9 @@ def expand_sweep(overrides: Sequence[str], config_dir: Optional[str] = None) -> 
     `a=1,2`, `glob(*)`, `range(...)`, `choice(...)`)."""
     try:
         parsed = OverridesParser.create(load_hydra(config_dir).config_loader).parse_overrides(list(overrides))
-        (jobs,) = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+        return hydra_api.split_sweep(parsed)
     except HydraException as error:
         raise ConfigError("overrides", " ".join(overrides), first_line(error)) from None
-    return jobs
 
 
 def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Exception:

@@ -8,8 +8,9 @@ fast_path, and the run.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
-from typing import List
+from typing import List, Tuple
 
 from runner import strategies
 from runner.config import collective, fast_path, schema
@@ -30,18 +31,31 @@ def render() -> str:
                       "every knob is set on the command line as `KEY=VALUE` (e.g. `strategy.amp.init_loss_scaling=128`).",
                       ""]
     for prefix, cls in sections:
-        node = next(node for node in ast.parse(inspect.getsource(inspect.getmodule(cls))).body
-                    if isinstance(node, ast.ClassDef) and node.name == cls.__name__)
-        out += [f"## `{prefix}` ({cls.__name__})", "", inspect.cleandoc(ast.get_docstring(node) or ""), "",
+        out += [f"## `{prefix}` ({cls.__name__})", "", inspect.cleandoc(ast.get_docstring(class_node(cls)) or ""), "",
                 "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        for field, doc in zip(node.body, node.body[1:]):
-            if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
-                key = field.target.id
-                default = getattr(cls(), key) if cls is not schema.RunConfig else "see conf/"
-                meaning = " ".join(doc.value.value.split()).replace("|", "\\|")
-                out.append(f"| `{key}` | `{ast.unparse(field.annotation)}` | `{default!r}` | {meaning} |")
+        for field, doc in documented_fields(cls):
+            key = field.target.id
+            default = getattr(cls(), key) if cls is not schema.RunConfig else "see conf/"
+            meaning = " ".join(doc.split()).replace("|", "\\|")
+            out.append(f"| `{key}` | `{ast.unparse(field.annotation)}` | `{default!r}` | {meaning} |")
         out.append("")
     return "\n".join(out)
+
+
+def class_node(cls: type) -> ast.ClassDef:
+    return next(node for node in ast.parse(inspect.getsource(inspect.getmodule(cls))).body
+                if isinstance(node, ast.ClassDef) and node.name == cls.__name__)
+
+
+def documented_fields(cls: type) -> List[Tuple[ast.AnnAssign, str]]:
+    """Each field of dataclass `cls` with the string under it, in the dataclass's order: those of
+    its dataclass bases first (localsgd's LocalSGDFamily holds begin_step)."""
+    found = []
+    for klass in reversed([klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]):
+        body = class_node(klass).body
+        found += [(field, doc.value.value) for field, doc in zip(body, body[1:])
+                  if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)]
+    return found
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ PHASES = ("precision", "pipeline", "tensor_parallel", "recompute", "sharding", "
 # checkpoint holds the state the user's callbacks kept for its step.
 AFTER_USER = "after_user"
 RUNNER = "lightfleet"  # who asks for what every run has: the runner's callbacks, DDP where no strategy brings one
-LIGHTFLEET_DDP = "plugins.ddp:build_ddp"  # the Lightning strategy of a run whose strategies bring none
 
 
 @dataclass
@@ -82,7 +81,7 @@ class Plan:
 
 def make_plan(strategies: Dict[str, Strategy], trainer: Any, batch_size: Optional[int] = None,
               lightfleet: Optional[Mapping[str, Callable[[RunShape], Contribution]]] = None,
-              cuda_available: Callable[[], bool] = no_cuda) -> Plan:
+              cuda_available: Callable[[], bool] = no_cuda, data_parallel: Optional[Component] = None) -> Plan:
     """Combine the selected strategies' contributions, then lightfleet's own, into one plan.
 
     `strategies` maps name -> validated knobs (in selection order); `trainer` is the validated
@@ -90,7 +89,9 @@ def make_plan(strategies: Dict[str, Strategy], trainer: Any, batch_size: Optiona
     `lightfleet` maps who asks -> lightfleet's own contributors (the collective knobs, the fast
     path, the runner's callbacks): they contribute once the Lightning strategy and the precision
     are settled (RunShape.lightning_strategy, RunShape.precision), and their callbacks run after
-    the user's. `cuda_available` answers RunShape.device_type.
+    the user's. `cuda_available` answers RunShape.device_type. `data_parallel` is the Lightning
+    strategy of a run of several processes whose strategies bring none (lightfleet's DDP: the
+    caller names it, as this layer names no component).
     A strategy whose knobs do not fit the run (degrees against the world size) raises
     ConfigError; a broken plan rule raises Refusal naming the strategies involved.
     """
@@ -111,7 +112,10 @@ def make_plan(strategies: Dict[str, Strategy], trainer: Any, batch_size: Optiona
     if plan.lightning_strategy is None and (world.world_size != 1 or plan.comm_hook is not None):
         # Processes are started by lightfleet's launcher (or torchrun/SLURM); Lightning joins them.
         # A communication hook needs DDP even in one process: it may carry the update (dgc's momentum).
-        plan.lightning_strategy = Claim(RUNNER, Component(LIGHTFLEET_DDP, {}))
+        if data_parallel is None:
+            raise Refusal(f"a run of {world.world_size} process(es) whose strategies bring no Lightning strategy "
+                          f"needs one, and make_plan was given none (data_parallel)")
+        plan.lightning_strategy = Claim(RUNNER, data_parallel)
     settled = replace(run, precision=plan.precision.component.target if plan.precision else None,
                       lightning_strategy=plan.lightning_strategy.component.target if plan.lightning_strategy else None)
     for name, contribute in (lightfleet or {}).items():

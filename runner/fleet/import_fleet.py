@@ -18,7 +18,8 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from runner import strategies
 from runner.config.collective import ParameterServerConfig
-from runner.config.compat import EXPERIMENTS_DIR, check, load_table
+from runner.config.compat import check, load_table
+from runner.core.paths import EXPERIMENTS_DIR
 from runner.core.errors import ConfigError, Refusal
 from runner.fleet.mapping import (NOT_MAPPED, PARAMETER_SERVER_FIELDS, collective_fields, configured_strategy,
                                   fleet_field, knob_of)

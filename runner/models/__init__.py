@@ -68,7 +68,7 @@ class ClassifierModule(pl.LightningModule):
         inputs, targets = batch
         loss = self.loss(self(inputs), targets)  # no accuracy: an argmax over a 50k vocabulary costs a pass over the logits
         # Not prog_bar: Lightning reads a progress-bar metric off the device after every batch
-        # (a synchronisation per micro-batch on a GPU); the bar reads it at logging steps (plugins/progress.py).
+        # (a synchronisation per micro-batch on a GPU); the bar reads it at logging steps (runner/rank/progress.py).
         self.log("train_loss", loss, on_step=True)
         return loss
 

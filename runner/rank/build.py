@@ -32,7 +32,8 @@ from plugins.transforms import ModelContext, Transform, apply_transforms, transf
 from runner.config.arguments import check_arguments
 from runner.core import world
 from runner.core.errors import ConfigError, first_line
-from runner.core.plan import AFTER_USER, LIGHTFLEET_DDP, Claim, Plan
+from runner.config.collective import LIGHTFLEET_DDP
+from runner.core.plan import AFTER_USER, Claim, Plan
 from runner.rank.measure import RunMeter
 from runner.records.files import BUILD_YAML
 from runner.records.run_dir import write_yaml
@@ -71,7 +72,7 @@ def build(cfg: DictConfig, plan: Plan, run_dir: Path) -> Built:
     datamodule = instantiate_checked("data", cfg.data)
 
     # What carries out each collective knob, for build.yaml (the plan holds what it applies).
-    uses_ddp = plan.lightning_strategy is not None and plan.lightning_strategy.component.target == LIGHTFLEET_DDP
+    uses_ddp = plan.lightning_strategy is not None and plan.lightning_strategy.component.target == LIGHTFLEET_DDP.target
     collective_lines = collective.describe(OmegaConf.to_object(cfg.collective), uses_ddp, "sharding" in plan.strategies)
     transform_in_configure_model(model, model_transforms(plan),
                                  partial(record_transforms, model, plan, run_dir, collective_lines))

@@ -28,6 +28,7 @@ from lightning_fabric.utilities.throughput import get_available_flops
 from pytorch_lightning.utilities.data import extract_batch_size
 from typing_extensions import override
 
+from plugins.ranks import gather
 from runner.core.clock import started_at
 
 # Dense peak FLOP/s of GPUs Lightning's table (lightning_fabric.utilities.throughput) lacks or
@@ -395,15 +396,6 @@ def percentile(values: List[float], fraction: float) -> Optional[float]:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))]
-
-
-def gather(figures: RankFigures) -> List[RankFigures]:
-    """Every rank's figures, in rank order (just this one's without a process group)."""
-    if not torch.distributed.is_initialized():
-        return [figures]
-    gathered: List[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, figures)
-    return gathered
 
 
 def compute_dtype(trainer: pl.Trainer) -> torch.dtype:

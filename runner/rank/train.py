@@ -1,5 +1,5 @@
 """Train one run from its saved config: the same code path for a single process and for every
-rank of a multi-process run (`python -m runner.rank.train RUN_DIR`, started by runner/command/launch.py)."""
+rank of a multi-process run (`python -m runner.train RUN_DIR`, started by runner/command/launch.py)."""
 from __future__ import annotations
 
 import logging

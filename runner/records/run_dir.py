@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config.compat import PROJECT_ROOT
+from runner.core.paths import PROJECT_ROOT
 from runner.core.errors import ConfigError, error_line, require
 from runner.core.plan import Plan, format_plan
 from runner.core.world import World, external_rank, launched_externally

@@ -23,12 +23,13 @@ def names() -> Tuple[str, ...]:
 
 @functools.lru_cache(maxsize=None)
 def schemas() -> Dict[str, type]:
-    """Strategy name -> its knobs dataclass: the Strategy subclass its module defines."""
+    """Strategy name -> its knobs dataclass: the Strategy subclass its module defines with a `name`
+    (a module may define a base for several strategies beside it: localsgd's LocalSGDFamily)."""
     found = {}
     for name in names():
         module = importlib.import_module(f"{__name__}.{name}")
         classes = [cls for _, cls in inspect.getmembers(module, inspect.isclass)
-                   if issubclass(cls, Strategy) and cls.__module__ == module.__name__]
+                   if issubclass(cls, Strategy) and cls.__module__ == module.__name__ and "name" in vars(cls)]
         if len(classes) != 1 or classes[0].name != name:
             raise TypeError(f"runner/strategies/{name}.py must define one Strategy subclass with name = {name!r}, "
                             f"found {[cls.__name__ for cls in classes]}")

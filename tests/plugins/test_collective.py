@@ -98,7 +98,7 @@ def test_sync_batch_norm_on_cuda_converts_every_nested_batch_norm(spec_for):
     forward does): the knob's Trainer argument in the plan, and the layer sync of lightfleet's DDP
     with it converting every batch norm of a model that is not ours."""
     from runner.rank.build import lightning_strategy
-    from runner.config.checks import plan_for
+    from runner.command.planning import plan_for
 
     plan = plan_for(spec_for("collective.sync_batch_norm=true", TWO_RANKS, "trainer.accelerator=gpu",
                              "trainer.benchmark=false"))  # the run settles cudnn.benchmark: the plan sets no other trainer argument
@@ -128,7 +128,7 @@ HIERARCHICAL = ["collective.use_hierarchical_allreduce=true", "strategy=[shardin
     (["trainer.devices=4", "collective.hierarchical_allreduce_inter_nranks=4"], {"dp_replicate": 1, "dp_shard": 4}),
 ])
 def test_hierarchical_allreduce_is_hybrid_sharding_of_inner_groups(spec_for, overrides, mesh):
-    from runner.config.checks import plan_for
+    from runner.command.planning import plan_for
 
     plan = plan_for(spec_for(*HIERARCHICAL, *overrides))
     layout = plan.lightning_strategy.component.kwargs["layout"]

@@ -47,7 +47,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from distributed import AllGatherSpy, AllReduceSpy, save
 from plugins.ddp import FleetDDPStrategy
 from plugins.dgc import DGCCheckpoint, build_hook, replace_optimizer
-from plugins.resume import EpochEndPosition
+from runner.rank.resume import EpochEndPosition
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
 

@@ -30,7 +30,7 @@ from plugins.fast_path import FUSED_ON_DTENSOR, AttentionKernel, fuse_optimizer
 from plugins.lars import LARS
 from plugins.recompute import apply_recompute
 from plugins.transforms import transform_in_configure_model
-from runner.config.checks import plan_for
+from runner.command.planning import plan_for
 from runner.core.errors import ConfigError
 from runner.core.plan import format_plan
 from runner.data import SyntheticLanguageModelData

@@ -44,7 +44,7 @@ from bench.pipeline import SavedActivationBytes
 from distributed import save
 from plugins.amp import build_precision
 from plugins.pipeline import build_pipeline, split_stages
-from plugins.resume import EpochEndPosition
+from runner.rank.resume import EpochEndPosition
 from plugins.recompute import apply_recompute
 from plugins.transforms import transform_in_configure_model
 from runner.data import SyntheticClassificationData

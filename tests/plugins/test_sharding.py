@@ -39,11 +39,12 @@ from torch.distributed.tensor import DTensor
 from distributed import save
 from plugins.amp import build_precision
 from plugins.lamb import replace_optimizer
-from plugins.resume import EpochEndPosition
+from runner.rank.resume import EpochEndPosition
 from plugins.transforms import transform_in_configure_model
 from runner.rank.build import lightning_strategy, model_transforms
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
+from runner.config.collective import LIGHTFLEET_DDP
 from runner.core.plan import make_plan
 from runner.config.schema import TrainerConfig
 from runner.strategies.sharding import ShardingConfig
@@ -155,10 +156,10 @@ def run(name, plan, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=
 def sharding(stage, degree=2, dp_degree=1, offload=False):
     knobs = ShardingConfig(stage=stage, degree=degree, dp_degree=dp_degree, optimize_offload=offload,
                            segment_broadcast_MB=SEGMENT_MB)
-    return make_plan({"sharding": knobs}, TrainerConfig(devices=2))
+    return make_plan({"sharding": knobs}, TrainerConfig(devices=2), data_parallel=LIGHTFLEET_DDP)
 
 
-DDP = make_plan({}, TrainerConfig(devices=2))
+DDP = make_plan({}, TrainerConfig(devices=2), data_parallel=LIGHTFLEET_DDP)
 run("ddp", DDP)
 run("stage1", sharding(1))
 run("stage2", sharding(2))

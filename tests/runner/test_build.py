@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from plugins.collective import CollectiveSetup
-from plugins.resume import EpochEndPosition, RandomStates
+from runner.rank.resume import EpochEndPosition, RandomStates
 from plugins.transforms import transform_in_configure_model
-from runner.config.checks import plan_for
+from runner.command.planning import plan_for
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
 from runner.rank.build import build, replace_optimizers

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from runner.config.compat import CONF_DIR, check, closest, load_table, strategies_from_argv
+from runner.config.compat import check, closest, load_table, strategies_from_argv
+from runner.core.paths import CONF_DIR
 from runner.core.errors import ConfigError, Refusal
 
 TABLE = load_table()

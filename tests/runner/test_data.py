@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from data_files import bpe_tokenizer, decoded_documents, documents, on_device, picture_folder, token_file
 from probe import knobs_of
 from runner.config.checks import validate
-from runner.config.compat import CONF_DIR
+from runner.core.paths import CONF_DIR
 from runner.config.compose import compose_config
 from runner.core.errors import ConfigError
 

@@ -18,7 +18,7 @@ import yaml
 
 from runner import strategies
 from runner.config import schema
-from runner.config.compat import CONF_DIR, PROJECT_ROOT
+from runner.core.paths import CONF_DIR, PROJECT_ROOT
 from runner.core.contribution import Component, Contribution, RunShape
 from runner.core.world import World
 
@@ -51,7 +51,10 @@ def test_the_collective_and_fast_path_config_files_set_no_knob(group, knobs):
 
 
 def strategy_source(name: str) -> ast.AST:
-    return ast.parse(inspect.getsource(importlib.import_module(f"runner.strategies.{name}")))
+    """The strategy's module, with those of the strategy bases it derives from (localsgd's family)."""
+    modules = {klass.__module__ for klass in strategies.schemas()[name].__mro__ if klass.__module__.startswith("runner.strategies.")}
+    return ast.Module(body=[node for module in sorted(modules)
+                            for node in ast.parse(inspect.getsource(importlib.import_module(module))).body], type_ignores=[])
 
 
 def named_components(name: str) -> Set[str]:

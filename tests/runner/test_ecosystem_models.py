@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from plugins.modules import repeated_block_list
 from probe import attention_in_plain_matmuls, channels_last_knob, knobs_of, optimizer_knob
-from runner.config.compat import CONF_DIR
+from runner.core.paths import CONF_DIR
 from runner.models.causal_lm import CausalLM
 from runner.models.vision import VisionClassifier
 

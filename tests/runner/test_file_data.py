@@ -173,7 +173,7 @@ def test_the_shipped_confs_build_on_files(tmp_path):
     import hydra
     from omegaconf import OmegaConf
 
-    from runner.config.compat import CONF_DIR
+    from runner.core.paths import CONF_DIR
 
     token_file(tmp_path / "train.bin", 1000)
     token_file(tmp_path / "val.bin", 100)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from paddle_reference import run_paddle
 
 from runner import strategies
-from runner.config.compat import EXPERIMENTS_DIR
+from runner.core.paths import EXPERIMENTS_DIR
 from runner.config.compose import compose_config
 from runner.command import preflight
 from runner.config.checks import validate

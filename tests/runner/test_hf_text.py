@@ -135,7 +135,7 @@ def test_the_conf_names_every_knob_and_builds(files):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from runner.config.compat import CONF_DIR
+    from runner.core.paths import CONF_DIR
 
     conf = OmegaConf.load(CONF_DIR / "data" / "hf_text.yaml")
     assert set(conf) - {"_target_"} == set(inspect.signature(HFTextData).parameters)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
 
-from runner.config.checks import plan_for
-from runner.config.collective import BuildStrategyConfig, CollectiveConfig, ExecutionStrategyConfig
+from runner.command.planning import plan_for
+from runner.config.collective import LIGHTFLEET_DDP, BuildStrategyConfig, CollectiveConfig, ExecutionStrategyConfig
 from runner.core.contribution import Component, Contribution
 from runner.core.errors import ConfigError, Refusal
 from runner.core.plan import AFTER_USER, PHASES, Plan, format_plan, make_plan
@@ -19,6 +20,9 @@ from runner.strategies.gradient_merge import GradientMergeConfig
 from runner.strategies.pipeline import PipelineConfig
 from runner.strategies.recompute import RecomputeConfig
 from runner.strategies.sharding import ShardingConfig
+
+# Plans as the command makes them (runner/command/planning.py): lightfleet's DDP for several processes.
+plan_of = partial(make_plan, data_parallel=LIGHTFLEET_DDP)
 
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
@@ -35,7 +39,7 @@ class Claims:
 
 
 def test_each_strategy_fills_its_slots():
-    plan = make_plan({"amp": AmpConfig(custom_black_list=["LayerNorm"]), "recompute": RecomputeConfig(),
+    plan = plan_of({"amp": AmpConfig(custom_black_list=["LayerNorm"]), "recompute": RecomputeConfig(),
                       "gradient_merge": GradientMergeConfig(k_steps=4, avg=False)}, TrainerConfig())
     assert plan.precision.by == "amp" and plan.precision.component.target == "plugins.amp:build_precision"
     assert plan.precision.component.kwargs["init_loss_scaling"] == 32768.0
@@ -46,12 +50,12 @@ def test_each_strategy_fills_its_slots():
 
 
 def test_transforms_follow_phase_order_not_selection_order():
-    plan = make_plan({"recompute": RecomputeConfig(), "amp": AmpConfig(custom_white_list=["Linear"])}, TrainerConfig())
+    plan = plan_of({"recompute": RecomputeConfig(), "amp": AmpConfig(custom_white_list=["Linear"])}, TrainerConfig())
     assert [c.phase for c in plan.model_transforms] == ["precision", "recompute"]
 
 
 def test_several_processes_get_ddp():
-    plan = make_plan({}, TrainerConfig(devices=2, num_nodes=2))
+    plan = plan_of({}, TrainerConfig(devices=2, num_nodes=2))
     assert plan.world == {"devices": 2, "num_nodes": 2, "world_size": 4}
     assert plan.lightning_strategy.component.target == "plugins.ddp:build_ddp"
 
@@ -59,17 +63,17 @@ def test_several_processes_get_ddp():
 def test_two_claims_on_one_exclusive_slot_are_refused_even_if_the_table_forgot():
     precision = Contribution(precision=Component("x:y"))
     with pytest.raises(Refusal, match="a and b both set the precision"):
-        make_plan({"a": Claims(precision), "b": Claims(precision)}, TrainerConfig())
+        plan_of({"a": Claims(precision), "b": Claims(precision)}, TrainerConfig())
 
 
 def test_strategy_trainer_argument_conflicting_with_user_setting_is_refused():
     with pytest.raises(Refusal, match=r"trainer.accumulate_grad_batches=2 conflicts with strategy gradient_merge"):
-        make_plan({"gradient_merge": GradientMergeConfig(k_steps=4)}, TrainerConfig(accumulate_grad_batches=2))
-    make_plan({"gradient_merge": GradientMergeConfig(k_steps=4)}, TrainerConfig(accumulate_grad_batches=4))
+        plan_of({"gradient_merge": GradientMergeConfig(k_steps=4)}, TrainerConfig(accumulate_grad_batches=2))
+    plan_of({"gradient_merge": GradientMergeConfig(k_steps=4)}, TrainerConfig(accumulate_grad_batches=4))
 
 
 def test_printed_plan_names_who_asked_for_what():
-    text = format_plan(make_plan({"amp": AmpConfig(dtype="bfloat16"), "recompute": RecomputeConfig(checkpoint_shape=[4])},
+    text = format_plan(plan_of({"amp": AmpConfig(dtype="bfloat16"), "recompute": RecomputeConfig(checkpoint_shape=[4])},
                                  TrainerConfig()))
     assert "precision: plugins.amp:build_precision(dtype='bfloat16'" in text and "<- amp" in text
     assert "1. [recompute] plugins.recompute:apply_recompute(checkpoints=[], enable_offload=False)  <- recompute" in text
@@ -82,35 +86,35 @@ def test_communication_strategies_run_under_ddp_even_in_one_process():
     from runner.strategies.fp16_allreduce import FP16AllreduceConfig
     from runner.strategies.lars import LarsConfig
 
-    plan = make_plan({"fp16_allreduce": FP16AllreduceConfig()}, TrainerConfig())
+    plan = plan_of({"fp16_allreduce": FP16AllreduceConfig()}, TrainerConfig())
     assert plan.comm_hook.component.target == "plugins.fp16_allreduce:build_hook"
     assert plan.lightning_strategy.component.target == "plugins.ddp:build_ddp"
     with pytest.raises(Refusal, match="lars and dgc both set the optimizer"):
-        make_plan({"lars": LarsConfig(), "dgc": DGCConfig()}, TrainerConfig())
+        plan_of({"lars": LarsConfig(), "dgc": DGCConfig()}, TrainerConfig())
 
 
 def test_sharding_degree_defaults_to_the_ranks_left_and_the_product_must_be_the_world():
-    plan = make_plan({"sharding": ShardingConfig(stage=2, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
+    plan = plan_of({"sharding": ShardingConfig(stage=2, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
     layout = plan.lightning_strategy.component.kwargs["layout"]
     assert (layout["dp_replicate"], layout["dp_shard"], layout["tp"]) == (2, 4, 1)
     with pytest.raises(ConfigError, match=r"^strategy.sharding.degree=3: dp_degree x degree x mp_degree x pp_degree = "
                                           r"2 x 3 x 1 x 1 = 6, but the run has 8 process\(es\)$"):
-        make_plan({"sharding": ShardingConfig(degree=3, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
+        plan_of({"sharding": ShardingConfig(degree=3, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
     with pytest.raises(ConfigError, match=r"^strategy.sharding.degree=1: .* = 3 x 1 x 1 x 1 = 3, but the run has 2"):
-        make_plan({"sharding": ShardingConfig(dp_degree=3)}, TrainerConfig(devices=2))
+        plan_of({"sharding": ShardingConfig(dp_degree=3)}, TrainerConfig(devices=2))
     with pytest.raises(ConfigError, match=r"^trainer.devices='auto': sharding needs a known process count"):
-        make_plan({"sharding": ShardingConfig()}, TrainerConfig(devices="auto"))
+        plan_of({"sharding": ShardingConfig()}, TrainerConfig(devices="auto"))
 
 
 def test_sharding_accumulation_is_a_trainer_argument():
-    plan = make_plan({"sharding": ShardingConfig(gradient_merge_acc_step=4)}, TrainerConfig(devices=2))
+    plan = plan_of({"sharding": ShardingConfig(gradient_merge_acc_step=4)}, TrainerConfig(devices=2))
     assert plan.trainer_args["accumulate_grad_batches"] == {"value": 4, "by": "sharding"}
 
 
 @pytest.mark.parametrize("knobs, batch_size, micro", [({}, 32, 8), ({"micro_batch_size": 4, "accumulate_steps": 8}, 32, 4),
                                                       ({"micro_batch_size": 2}, None, 2)])
 def test_pipeline_micro_batch_is_derived_from_the_data_batch(knobs, batch_size, micro):
-    plan = make_plan({"pipeline": PipelineConfig(**knobs)}, TrainerConfig(devices=2), batch_size)
+    plan = plan_of({"pipeline": PipelineConfig(**knobs)}, TrainerConfig(devices=2), batch_size)
     assert plan.lightning_strategy.component.kwargs["micro_batch_size"] == micro
 
 
@@ -122,23 +126,23 @@ def test_pipeline_micro_batch_is_derived_from_the_data_batch(knobs, batch_size, 
 ])
 def test_inconsistent_pipeline_batch_sizes_are_refused_with_the_arithmetic(knobs, batch_size, message):
     with pytest.raises(ConfigError, match=message):
-        make_plan({"pipeline": PipelineConfig(**knobs)}, TrainerConfig(devices=2), batch_size)
+        plan_of({"pipeline": PipelineConfig(**knobs)}, TrainerConfig(devices=2), batch_size)
 
 
 def test_pipeline_keeps_validation_on_and_refuses_lightning_accumulation():
-    plan = make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=2), 32)
+    plan = plan_of({"pipeline": PipelineConfig()}, TrainerConfig(devices=2), 32)
     assert {arg: claim["value"] for arg, claim in plan.trainer_args.items()} == {"accumulate_grad_batches": 1}
     with pytest.raises(Refusal, match=r"^trainer.accumulate_grad_batches=4 conflicts with strategy pipeline"):
-        make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=2, accumulate_grad_batches=4), 32)
+        plan_of({"pipeline": PipelineConfig()}, TrainerConfig(devices=2, accumulate_grad_batches=4), 32)
     with pytest.raises(ConfigError, match=r"^strategy.pipeline.accumulate_steps=1: schedule_mode=1F1B needs >= 2 "
                                           r"micro-batches for 2 stages on 2 processes$"):
-        make_plan({"pipeline": PipelineConfig(accumulate_steps=1)}, TrainerConfig(devices=2), 32)
+        plan_of({"pipeline": PipelineConfig(accumulate_steps=1)}, TrainerConfig(devices=2), 32)
     with pytest.raises(ConfigError, match=r"^trainer.devices=1: pipeline needs >= 2 processes"):
-        make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=1), 32)
+        plan_of({"pipeline": PipelineConfig()}, TrainerConfig(devices=1), 32)
 
 
 def test_sharding_with_pipeline_shards_optimizer_states_over_the_pipeline_replicas():
-    plan = make_plan({"pipeline": PipelineConfig(), "sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4), 32)
+    plan = plan_of({"pipeline": PipelineConfig(), "sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4), 32)
     assert plan.lightning_strategy.by == "pipeline"
     kwargs = plan.lightning_strategy.component.kwargs
     assert (kwargs["layout"]["dp_shard"], kwargs["shard_optimizer_states"]) == (2, True)
@@ -147,9 +151,9 @@ def test_sharding_with_pipeline_shards_optimizer_states_over_the_pipeline_replic
                            ({"pp_degree": 3}, r"^strategy.sharding.degree=1: .* = 1 x 1 x 1 x 3 = 3, but the run has 4"),
                            ({"pp_degree": 2, "dp_degree": 2}, r"^strategy.sharding.dp_degree=2: with pipeline")]:
         with pytest.raises(ConfigError, match=message):
-            make_plan({"sharding": ShardingConfig(**knobs), "pipeline": PipelineConfig()}, TrainerConfig(devices=4), 32)
+            plan_of({"sharding": ShardingConfig(**knobs), "pipeline": PipelineConfig()}, TrainerConfig(devices=4), 32)
     with pytest.raises(ConfigError, match=r"^strategy.sharding.pp_degree=2: > 1 needs strategy pipeline too$"):
-        make_plan({"sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4))
+        plan_of({"sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4))
 
 
 def test_a_communication_hook_needs_a_lightning_strategy_that_takes_one():
@@ -158,23 +162,23 @@ def test_a_communication_hook_needs_a_lightning_strategy_that_takes_one():
     for stage, target in [(1, "plugins.sharding:build_zero_stage1"), (3, "plugins.sharding:build_fsdp")]:
         with pytest.raises(Refusal, match=rf"^sharding and fp16_allreduce both own the gradient communication hook: "
                                           rf"sharding's Lightning strategy \({target}\) communicates gradients itself"):
-            make_plan({"fp16_allreduce": FP16AllreduceConfig(), "sharding": ShardingConfig(stage=stage)},
+            plan_of({"fp16_allreduce": FP16AllreduceConfig(), "sharding": ShardingConfig(stage=stage)},
                       TrainerConfig(devices=2))
 
 
 def test_a_transform_asked_for_twice_is_one_claim_naming_both_and_refused_with_other_arguments():
     compile_fast = Contribution(model_transforms=[("compile", Component("x:compile", {"mode": "max-autotune"}))])
     compile_slow = Contribution(model_transforms=[("compile", Component("x:compile", {"mode": "default"}))])
-    plan = make_plan({}, TrainerConfig(), lightfleet={"a": lambda run: compile_fast, "b": lambda run: compile_fast})
+    plan = plan_of({}, TrainerConfig(), lightfleet={"a": lambda run: compile_fast, "b": lambda run: compile_fast})
     assert [(c.by, c.phase, c.component.kwargs) for c in plan.model_transforms] == [
         ("a, b", "compile", {"mode": "max-autotune"})]
     with pytest.raises(Refusal, match=r"^a and b both add x:compile \(compile\) with different arguments; choose one"):
-        make_plan({}, TrainerConfig(), lightfleet={"a": lambda run: compile_fast, "b": lambda run: compile_slow})
+        plan_of({}, TrainerConfig(), lightfleet={"a": lambda run: compile_fast, "b": lambda run: compile_slow})
 
 
 def test_lightfleets_contributors_see_the_settled_lightning_strategy_and_precision():
     seen = []
-    make_plan({"amp": AmpConfig(), "sharding": ShardingConfig(stage=2)}, TrainerConfig(devices=2),
+    plan_of({"amp": AmpConfig(), "sharding": ShardingConfig(stage=2)}, TrainerConfig(devices=2),
               lightfleet={"a": lambda run: seen.append((run.lightning_strategy, run.precision)) or Contribution()})
     assert seen == [("plugins.sharding:build_fsdp", "plugins.amp:build_precision")]
 
@@ -182,14 +186,14 @@ def test_lightfleets_contributors_see_the_settled_lightning_strategy_and_precisi
 def test_model_transforms_only_in_declared_phases():
     stray = Contribution(model_transforms=[("quantize", Component("x:y"))])
     with pytest.raises(Refusal, match=r"^strategy a adds a model transform in phase 'quantize'; phases: precision, "):
-        make_plan({"a": Claims(stray)}, TrainerConfig())
+        plan_of({"a": Claims(stray)}, TrainerConfig())
 
 
 def test_every_declared_phase_is_used_in_its_order():
-    plan = make_plan({"amp": AmpConfig(custom_white_list=["Linear"]), "recompute": RecomputeConfig(),
+    plan = plan_of({"amp": AmpConfig(custom_white_list=["Linear"]), "recompute": RecomputeConfig(),
                       "sharding": ShardingConfig(stage=2, mp_degree=2)}, TrainerConfig(devices=2),
                      lightfleet={"collective": COMPILING.contribute})
-    pipelined = make_plan({"pipeline": PipelineConfig()}, TrainerConfig(devices=2), 32)
+    pipelined = plan_of({"pipeline": PipelineConfig()}, TrainerConfig(devices=2), 32)
     assert [c.phase for c in plan.model_transforms] == ["precision", "tensor_parallel", "recompute", "sharding",
                                                         "compile"]
     assert [c.phase for c in pipelined.model_transforms] == ["pipeline"]
@@ -201,7 +205,7 @@ def test_the_saved_plan_reads_back_as_the_same_plan():
 
     collective = CollectiveConfig(timeout_s=60, execution_strategy=ExecutionStrategyConfig(num_threads=2),
                                   build_strategy=BuildStrategyConfig(fuse_bn_act_ops=True, fuse_all_optimizer_ops=True))
-    plan = make_plan({"amp": AmpConfig(custom_black_list=["head"]), "recompute": RecomputeConfig(),
+    plan = plan_of({"amp": AmpConfig(custom_black_list=["head"]), "recompute": RecomputeConfig(),
                       "pipeline": PipelineConfig(), "sharding": ShardingConfig(pp_degree=2)}, TrainerConfig(devices=4), 32,
                      lightfleet={"collective": collective.contribute})
     assert plan.lightning_strategy_args and plan.optimizer_transforms and plan.callbacks[0].phase == AFTER_USER
@@ -212,8 +216,8 @@ def test_the_saved_plan_reads_back_as_the_same_plan():
 # --------------------------------------------------------------------------- lightfleet's own contributions
 
 RUNNER_CALLBACKS = ["runner.rank.measure:RunMeter", "runner.rank.measure:LastValidation",
-                    "runner.rank.preemption:Preemption", "plugins.resume:RandomStates",
-                    "plugins.resume:EpochEndPosition", "plugins.progress:StepsProgressBar"]
+                    "runner.rank.preemption:Preemption", "runner.rank.resume:RandomStates",
+                    "runner.rank.resume:EpochEndPosition", "runner.rank.progress:StepsProgressBar"]
 EVERY_COLLECTIVE_MECHANISM = ["trainer.devices=2", "collective.build_strategy.fuse_bn_act_ops=true",
                               "collective.build_strategy.fuse_all_optimizer_ops=true", "collective.fuse_grad_size_in_MB=8",
                               "collective.find_unused_parameters=true", "collective.timeout_s=30",
@@ -284,9 +288,9 @@ def test_lightning_strategy_arguments_are_claimed_once():
     timeout = Contribution(lightning_strategy_args={"timeout_s": 2.0})
     own = Contribution(lightning_strategy=Component("x:y", {"timeout_s": 1.0}))
     with pytest.raises(Refusal, match=r"^a and c both set the Lightning strategy's timeout_s; choose one of them$"):
-        make_plan({"a": Claims(own)}, TrainerConfig(), lightfleet={"c": Claims(timeout).contribute})
+        plan_of({"a": Claims(own)}, TrainerConfig(), lightfleet={"c": Claims(timeout).contribute})
     with pytest.raises(Refusal, match=r"^c sets the Lightning strategy's timeout_s, but the run has none"):
-        make_plan({}, TrainerConfig(), lightfleet={"c": Claims(timeout).contribute})
+        plan_of({}, TrainerConfig(), lightfleet={"c": Claims(timeout).contribute})
 
 
 def test_sync_batch_norm_is_a_trainer_argument_on_cuda_and_the_device_is_asked_only_for_it():
@@ -297,7 +301,7 @@ def test_sync_batch_norm_is_a_trainer_argument_on_cuda_and_the_device_is_asked_o
         return True
 
     def plan(trainer: TrainerConfig, collective: CollectiveConfig) -> Plan:
-        return make_plan({}, trainer, lightfleet={"collective": collective.contribute}, cuda_available=cuda_available)
+        return plan_of({}, trainer, lightfleet={"collective": collective.contribute}, cuda_available=cuda_available)
 
     # trainer.benchmark set: nothing else asks the device (cudnn.benchmark is settled, see below).
     assert plan(TrainerConfig(benchmark=False), CollectiveConfig()).trainer_args == {} and not asked
@@ -314,7 +318,7 @@ def test_sync_batch_norm_is_a_trainer_argument_on_cuda_and_the_device_is_asked_o
     ids=["cuda", "no cuda", "cpu asked", "benchmark=false", "deterministic", "deterministic warn", "benchmark=true"])
 def test_a_cuda_run_turns_cudnn_benchmark_on_unless_the_run_settles_it_and_the_plan_says_why(cuda, trainer, tuned):
     # A plain loop on a GPU runs convolutions with cudnn.benchmark (ResNet-50 on an H200: 0.90 without it).
-    plan = make_plan({}, TrainerConfig(**trainer), lightfleet={"collective": CollectiveConfig().contribute},
+    plan = plan_of({}, TrainerConfig(**trainer), lightfleet={"collective": CollectiveConfig().contribute},
                      cuda_available=lambda: cuda)
     assert ("benchmark" in plan.trainer_args) == tuned
     noted = [note for note in plan.notes if note.startswith("cudnn.benchmark on: a CUDA run")]

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from runner import strategies
-from runner.config.compat import CONF_DIR, PROJECT_ROOT, load_table
+from runner.config.compat import load_table
+from runner.core.paths import CONF_DIR, PROJECT_ROOT
 
 
 def test_registry_config_files_table_and_knob_reference_agree(spec_for):

@@ -2,7 +2,7 @@
 ("Epoch 1, step: 75%|...| 45/60"). Lightning's bars count the batches of each epoch and start
 again at every epoch, and its rich bar reads "Epoch 1/-2" (max_epochs is -1 when steps bound the
 run). Where epochs bound the run, both behave exactly as Lightning's. The plan adds
-`StepsProgressBar` unless the config's callbacks bring a bar (runner/config/checks.py);
+`StepsProgressBar` unless the config's callbacks bring a bar (runner/rank/callbacks.py);
 conf/callbacks/rich_progress_bar.yaml brings `RichStepsProgressBar`. Neither shows Lightning's
 `v_num` (the logger's version: "csv").
 

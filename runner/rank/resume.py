@@ -2,8 +2,8 @@
 
 State that differs between ranks: only rank 0 writes a checkpoint, but every rank builds it
 (Lightning calls the callbacks' `state_dict` on all of them), so a callback gathers each rank's
-piece into it with `gather` and, on resume, each rank takes its own back with `own`.
-`RandomStates` keeps every rank's random generators this way; `EpochEndPosition` makes a
+piece into it with `gather` and, on resume, each rank takes its own back with `own`
+(plugins/ranks.py). `RandomStates` keeps every rank's random generators this way; `EpochEndPosition` makes a
 checkpoint taken at an epoch's last batch resume at the next epoch's start
 (docs/reliability.md#resume-bit-for-bit).
 """
@@ -14,33 +14,10 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-
-def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def gather(mine: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
-    """Every rank's `mine`, in rank order (a collective: every rank of `group` calls it)."""
-    if not _distributed(group):
-        return [mine]
-    ranks: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ranks, mine, group=group)
-    return ranks
-
-
-def own(ranks: List[Any], what: str, otherwise: str, group: Optional[dist.ProcessGroup] = None) -> Optional[Any]:
-    """This rank's entry of a list `gather` made; None, with a warning naming `what` and what
-    happens `otherwise`, when the checkpoint came from a run with another number of ranks."""
-    size = dist.get_world_size(group) if _distributed(group) else 1
-    if len(ranks) != size:
-        rank_zero_warn(f"the checkpoint holds the {what} of {len(ranks)} ranks, this run has {size}: {otherwise}")
-        return None
-    return ranks[dist.get_rank(group) if size > 1 else 0]
+from plugins.ranks import gather, own
 
 
 class RandomStates(pl.Callback):

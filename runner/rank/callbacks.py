@@ -1,0 +1,31 @@
+"""lightfleet's own callbacks, in every run's plan (`<- lightfleet`), after the user's: the
+measurements (runner/rank/measure.py), the preemption checkpoint (preemption.py), what an exact
+resume needs (resume.py) and the progress bar (progress.py). Named here, beside them, as the
+plan names every component: by import path, loaded in each rank. Imports no torch.
+"""
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from runner.config.checks import RunSpec
+from runner.core.contribution import Component, Contribution
+
+
+def runner_callbacks(spec: RunSpec) -> Contribution:
+    """The runner's callbacks for the run of `spec`."""
+    measure = OmegaConf.to_object(spec.cfg.measure)
+    return Contribution(callbacks=[
+        *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
+        Component("runner.rank.measure:LastValidation"),  # the step of the summary's val_loss
+        Component("runner.rank.preemption:Preemption"),  # checkpoints/last.ckpt at a preemption signal
+        Component("runner.rank.resume:RandomStates"), Component("runner.rank.resume:EpochEndPosition"),  # exact resumes
+        *([Component("runner.rank.progress:StepsProgressBar")] if shows_own_progress_bar(spec) else [])])
+
+
+def shows_own_progress_bar(spec: RunSpec) -> bool:
+    """Whether lightfleet's bar (runner/rank/progress.py: it counts steps where steps bound the run)
+    replaces Lightning's default one: the bar is on and the config's callbacks bring none. Lightning
+    allows one bar; a callback whose class name ends in ProgressBar (Lightning's, rich's, ours) is one."""
+    trainer = spec.trainer
+    brought = any(str(node.get("_target_", "")).endswith("ProgressBar") for node in spec.cfg.callbacks.values() if node)
+    return trainer.enable_progress_bar is not False and not trainer.barebones and not brought
