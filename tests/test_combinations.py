@@ -23,6 +23,8 @@ from probe import strategy_tests
 from runner.config.compat import load_table
 from test_resume import checkpoint_overrides, resumes_exactly
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 ROWS = sorted(sorted(row) for row in load_table().allowed)
 STEPS, CHECKPOINT_STEP = 30, 13  # the resume starts in the middle of an epoch
 # Sharding with pipeline is stage 1 over pipeline replicas: 2 replicas of a 2-process pipeline.

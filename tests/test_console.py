@@ -22,6 +22,8 @@ from runner.config.compose import CONFIG_NAME
 from runner.rank.train import NotFromLibraries
 from runner.records.run_dir import checkpoint_contents
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 QUIET = re.compile(r"warn", re.IGNORECASE)
 
 

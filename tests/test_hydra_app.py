@@ -103,6 +103,7 @@ def test_hydra_show_flags(lightfleet, user_dir):
     assert "complete -o nospace" in lightfleet("-sc", "install=bash").stdout
 
 
+@pytest.mark.slow
 def test_user_config_dir_adds_options_everywhere(lightfleet, user_dir, tmp_path):
     shown = lightfleet("-cd", "my_configs", "--help").stdout
     assert "model: causal_lm, gpt, mlp, resnet, user_net, vision\n" in shown and "user_experiment" in shown
@@ -115,6 +116,7 @@ def test_user_config_dir_adds_options_everywhere(lightfleet, user_dir, tmp_path)
     assert read(tmp_path / "sweep" / "0" / "config.yaml")["model"]["_target_"] == "user_model.UserNet"
 
 
+@pytest.mark.slow
 def test_user_model_in_two_processes_with_hydra_run_dir_chdir_and_job_name(lightfleet, user_dir, tmp_path):
     done = lightfleet("-cd", "my_configs", "experiment=user_experiment", "trainer.devices=2", "hydra.run.dir=mine",
                       "hydra.job.chdir=true", "name=${hydra:job.name}-run", *QUICK)
@@ -128,6 +130,7 @@ def test_user_model_in_two_processes_with_hydra_run_dir_chdir_and_job_name(light
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "my_configs", "user_model.py"]
 
 
+@pytest.mark.slow
 def test_user_primary_config_starts_from_lightfleets(lightfleet, user_dir, tmp_path):
     done = lightfleet("-cp", "my_configs", "-cn", "my_primary", "paths.output_dir=run", *QUICK)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -136,6 +139,7 @@ def test_user_primary_config_starts_from_lightfleets(lightfleet, user_dir, tmp_p
     assert config["data"]["_target_"] == "runner.data.SyntheticClassificationData"  # lightfleet's default
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
 def test_launcher_runs_two_process_jobs_into_one_sweep_dir(lightfleet, tmp_path, launcher):
     done = lightfleet("-m", f"hydra/launcher={launcher}", "strategy=[amp],[recompute]", "trainer.devices=2",
@@ -151,6 +155,7 @@ def test_launcher_runs_two_process_jobs_into_one_sweep_dir(lightfleet, tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == ["sweep"]  # no directory per rank or per relaunch
 
 
+@pytest.mark.slow
 def test_optuna_sweep_of_three_trials(lightfleet, tmp_path):
     done = lightfleet("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",
                       "hydra.sweeper.sampler.seed=0", "model.optimizer.lr=tag(log,interval(0.001,0.3))",
@@ -171,6 +176,7 @@ def test_optuna_sweep_of_three_trials(lightfleet, tmp_path):
     assert math.isclose(best["best_value"], min(losses.values()), rel_tol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_refused_trial_is_optunas_worst_and_the_sweep_goes_on_to_the_best_of_the_others(lightfleet, tmp_path):
     done = lightfleet("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=1",
                       "hydra.sweeper.sampler.seed=0", "model.hidden_dim=choice(0,16)",  # 0: refused before it starts
@@ -185,6 +191,7 @@ def test_a_refused_trial_is_optunas_worst_and_the_sweep_goes_on_to_the_best_of_t
     assert math.isclose(read(sweep / "optimization_results.yaml")["best_value"], min(losses), rel_tol=1e-6)
 
 
+@pytest.mark.slow
 def test_refused_additions_and_sweeps_leave_nothing_behind(lightfleet, tmp_path):
     added = lightfleet("+trainer.max_stepz=3")
     assert added.returncode == 2 and "trainer has no key 'max_stepz' (did you mean max_steps?)" in added.stderr
@@ -212,6 +219,7 @@ def test_group_options_are_deltas_over_the_defaults(spec_for, group, option):
         assert chosen.trainer.max_steps == default.trainer.max_steps  # what the option does not set stays
 
 
+@pytest.mark.slow
 def test_debug_and_group_options_run(lightfleet, tmp_path):
     """Real runs of CPU options, several per run; each option's effect is checked."""
     limited = lightfleet("trainer=cpu", "logger=none", "callbacks=early_stopping", "debug=limit", "paths.output_dir=a")
@@ -229,6 +237,7 @@ def test_debug_and_group_options_run(lightfleet, tmp_path):
     assert read(tmp_path / "c" / "results.yaml")["global_step"] == 1
 
 
+@pytest.mark.slow
 def test_missing_logger_package_is_an_error_naming_the_install(lightfleet):
     import importlib.util
 
@@ -239,6 +248,7 @@ def test_missing_logger_package_is_an_error_naming_the_install(lightfleet):
     assert "logger.wandb: its package is not installed" in done.stderr and "pip install -U 'wandb" in done.stderr
 
 
+@pytest.mark.slow
 def test_more_gpus_than_cuda_sees_is_refused_before_any_process(lightfleet, tmp_path):
     import torch
 
@@ -249,6 +259,7 @@ def test_more_gpus_than_cuda_sees_is_refused_before_any_process(lightfleet, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_quiet_console_and_a_log_file_for_every_run(lightfleet, tmp_path):
     done = lightfleet("experiment=quickstart", "paths.output_dir=run", "trainer.enable_progress_bar=false")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -274,6 +285,7 @@ def first_train_losses(run: Path) -> tuple:
     return int(rows[0]["step"]), sum(float(r["train_loss"]) for r in rows) / len(rows)
 
 
+@pytest.mark.slow
 def test_resume_continues_the_step_count_and_the_loss_curve(lightfleet, tmp_path):
     quick = ("experiment=quickstart", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1")
     assert lightfleet(*quick).returncode == 0
@@ -291,6 +303,7 @@ def test_resume_continues_the_step_count_and_the_loss_curve(lightfleet, tmp_path
     assert (first / "csv" / "metrics.csv").read_text() == before  # the old run is left as it was
 
 
+@pytest.mark.slow
 def test_test_stage_eval_and_replay_write_new_directories(lightfleet, tmp_path):
     # Two whole epochs, validated at their end: the final weights are the validated ones.
     done = lightfleet("experiment=quickstart", "trainer.max_steps=64", "trainer.val_check_interval=null", "test=true",
@@ -310,6 +323,7 @@ def test_test_stage_eval_and_replay_write_new_directories(lightfleet, tmp_path):
     assert in_place.returncode == 2 and "`lightfleet replay first` runs it again in a new directory" in in_place.stderr
 
 
+@pytest.mark.slow
 def test_resume_says_where_it_continues_counts_its_own_steps_and_refuses_a_finished_run(lightfleet, tmp_path):
     quick = ("experiment=quickstart", "trainer.enable_progress_bar=false", "trainer.max_steps=20")
     assert lightfleet(*quick, "hydra.run.dir=first").returncode == 0

@@ -19,6 +19,8 @@ import yaml
 from runner.rank.parent import INTERRUPTED, PREEMPTED
 from test_preemption import REACHED, rank_pids, start, wait_for, wait_gone
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 
 def starting_ranks(run: Path, process: subprocess.Popen, count: int = 2) -> list:
     """The pids of the command's ranks as soon as they exist (torch's elastic agent makes the run's

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 COUNTING = textwrap.dedent('''
     import functools, os
 

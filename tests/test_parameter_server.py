@@ -80,6 +80,7 @@ def final_weights(run: Path) -> dict:
     return torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
 
 
+@pytest.mark.slow
 def test_geo_trains_in_two_processes_exactly_as_localsgd(lightfleet, tmp_path):
     common = [TWO, "trainer.max_steps=6", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
     geo = lightfleet("parameter_server.mode=geo", "parameter_server.k_steps=2", "paths.output_dir=geo", *common)

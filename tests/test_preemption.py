@@ -19,6 +19,8 @@ import yaml
 from runner.rank.parent import PREEMPTED
 from test_resume import assert_same_end
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REACHED = "reached_step"  # written into the run directory once training has taken a few steps
 

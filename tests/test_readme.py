@@ -9,6 +9,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from data_files import bpe_tokenizer, documents, image_folder
 from test_hydra_app import USER_MODEL
 
@@ -62,6 +64,7 @@ def test_the_readme_shows_commands(tmp_path):
     assert len(commands) >= 15 and all("lightfleet " in c or c == "lightfleet" for c in commands)
 
 
+@pytest.mark.slow
 def test_every_command_the_readme_shows_runs_as_it_says(lightfleet, tmp_path):
     newcomers_files(tmp_path)
     for command in readme_commands():

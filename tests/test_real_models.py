@@ -14,6 +14,8 @@ import yaml
 from data_files import gpt2_on_text, gpt2_on_tokens, resnet_on_images
 from test_resume import checkpoint_overrides, resumes_exactly
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 STEPS = 16
 QUIET = ["trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 

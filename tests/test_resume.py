@@ -18,6 +18,8 @@ import torch
 
 from test_hydra_app import USER_MODEL
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 
 # What the uninterrupted run adds: every rank's final state, and a checkpoint every `step` steps.
 def checkpoint_overrides(step: int) -> list:

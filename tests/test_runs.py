@@ -19,7 +19,7 @@ import yaml
 from probe import reads_off_logging_steps
 from runner.core.paths import EXPERIMENTS_DIR
 
-
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
 
 
 def fast(*extra: str) -> list:

@@ -14,6 +14,8 @@ import pytest
 from probe import strategy_tests
 from runner import strategies
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 CASES = [(name, index) for name in strategies.names() for index in range(len(getattr(strategy_tests(name), "WIRING", [])))]
 FAST = ["trainer.max_steps=1", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false"]

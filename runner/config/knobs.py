@@ -48,10 +48,10 @@ def class_node(cls: type) -> ast.ClassDef:
 
 
 def documented_fields(cls: type) -> List[Tuple[ast.AnnAssign, str]]:
-    """Each field of dataclass `cls` with the string under it, in the dataclass's order: those of
-    its dataclass bases first (localsgd's LocalSGDFamily holds begin_step)."""
+    """Each field of dataclass `cls` with the string under it: its own first, then those of its
+    dataclass bases (localsgd's LocalSGDFamily holds begin_step), as its config file lists them."""
     found = []
-    for klass in reversed([klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]):
+    for klass in [klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]:
         body = class_node(klass).body
         found += [(field, doc.value.value) for field, doc in zip(body, body[1:])
                   if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)]

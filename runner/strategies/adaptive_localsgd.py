@@ -2,7 +2,7 @@
 `strategy.adaptive_localsgd`); carried out by plugins/localsgd.py and plugins/adaptive_localsgd.py."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 from runner.core.contribution import Component, Contribution, RunShape
@@ -27,4 +27,4 @@ class AdaptiveLocalSGDConfig(LocalSGDFamily):
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(comm_hook=self.synchronous_until_begin_step(),
-                            callbacks=[Component("plugins.adaptive_localsgd:AdaptiveModelAveraging", asdict(self))])
+                            callbacks=[self.averaging("plugins.adaptive_localsgd:AdaptiveModelAveraging")])

@@ -30,6 +30,12 @@ class LocalSGDFamily(Strategy):
         """The communication hook: DDP's allreduce until begin_step, nothing after."""
         return Component("plugins.localsgd:build_hook", {"begin_step": self.begin_step})
 
+    def averaging(self, target: str) -> Component:
+        """The member's averaging callback, given its own knobs first and begin_step last."""
+        knobs = asdict(self)
+        begin_step = knobs.pop("begin_step")
+        return Component(target, {**knobs, "begin_step": begin_step})
+
 
 @dataclass
 class LocalSGDConfig(LocalSGDFamily):
@@ -48,4 +54,4 @@ class LocalSGDConfig(LocalSGDFamily):
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(comm_hook=self.synchronous_until_begin_step(),
-                            callbacks=[Component("plugins.localsgd:ModelAveraging", asdict(self))])
+                            callbacks=[self.averaging("plugins.localsgd:ModelAveraging")])

@@ -100,6 +100,7 @@ def replay(ranks, init_k_steps: int):
     return periods, averaged, (loss0, lr0, next_average)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_period_follows_the_formula_and_parameters_are_averaged_then(name, run_dir):
     init_k_steps, _ = RUNS[name]
@@ -126,6 +127,7 @@ def test_period_follows_the_formula_and_parameters_are_averaged_then(name, run_d
             assert (s0["params"] - s1["params"]).abs().max() > 1e-5 and calls == 0, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_averaging_gives_every_rank_the_mean_of_the_ranks_local_steps(name, run_dir):
     """Witness of the averaging itself: each rank's parameters after its own optimizer step
@@ -154,6 +156,7 @@ def losses_and_periods(run_dir, name):
     return losses, ranks[0]["k_steps"]
 
 
+@pytest.mark.slow
 def test_period_shrinks_as_the_loss_falls_at_a_constant_learning_rate(run_dir):
     init_k_steps, _ = RUNS["constant_lr"]
     losses, periods = losses_and_periods(run_dir, "constant_lr")
@@ -166,6 +169,7 @@ def test_period_shrinks_as_the_loss_falls_at_a_constant_learning_rate(run_dir):
     assert min(periods) == 1
 
 
+@pytest.mark.slow
 def test_period_grows_when_the_learning_rate_decays_faster_than_the_loss_falls(run_dir):
     init_k_steps, _ = RUNS["decaying_lr"]
     losses, periods = losses_and_periods(run_dir, "decaying_lr")

@@ -434,6 +434,7 @@ save("amp", {"scales": recorder.scales, "updated": recorder.updated,
 """
 
 
+@pytest.mark.slow
 def test_an_overflow_on_one_rank_makes_every_rank_skip_and_back_off(tmp_path):
     from distributed import load_ranks, run_two_ranks
 

@@ -177,6 +177,7 @@ def candidate_rows(run: Path) -> list:
         return list(csv.DictReader(table))
 
 
+@pytest.mark.slow
 def test_search_in_two_processes_chooses_measured_and_best_yaml_reruns(lightfleet, tmp_path):
     done = lightfleet("strategy=[auto]", "model=gpt", "data=language_model", "trainer.devices=2",
                       "strategy.auto.max_trials=2", "strategy.auto.trial_steps=4", "trainer.max_steps=4",
@@ -210,6 +211,7 @@ TIGHT_GPT = ("strategy=[auto]", "model=gpt", "data=language_model", "trainer.dev
              "strategy.auto.device_memory_gb=0.005")
 
 
+@pytest.mark.slow
 def test_rules_in_two_processes_train_a_candidate_that_fits_and_best_yaml_reruns_copied_alone(lightfleet, tmp_path):
     done = lightfleet(*TIGHT_GPT, "trainer.max_steps=2", "trainer.enable_progress_bar=false", "paths.output_dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -240,6 +242,7 @@ def test_rules_in_two_processes_train_a_candidate_that_fits_and_best_yaml_reruns
         assert rerun[group] == config[group], group
 
 
+@pytest.mark.slow
 def test_a_model_that_fits_nowhere_is_refused_in_one_line_and_nothing_trains(lightfleet, tmp_path):
     done = lightfleet(*TIGHT_GPT, "strategy.auto.device_memory_gb=0.0001", "paths.output_dir=run")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -250,6 +253,7 @@ def test_a_model_that_fits_nowhere_is_refused_in_one_line_and_nothing_trains(lig
     assert not (tmp_path / "run" / "results.yaml").exists() and not (tmp_path / "run" / "auto").exists()
 
 
+@pytest.mark.slow
 def test_dry_run_shows_the_facts_candidates_and_the_rules_choice_and_trains_nothing(lightfleet, tmp_path):
     done = lightfleet("dry_run=true", *TIGHT_GPT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -304,6 +308,7 @@ USER_MODEL = '''
 '''
 
 
+@pytest.mark.slow
 def test_a_failing_candidate_does_not_end_the_search(lightfleet, tmp_path):
     (tmp_path / "user_model.py").write_text(textwrap.dedent(USER_MODEL))
     done = lightfleet("strategy=[auto]", "~model", "+model._target_=user_model.NoAutocastNet",

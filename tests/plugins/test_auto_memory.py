@@ -69,6 +69,7 @@ def test_amp_estimate_counts_what_autocast_saves():
     assert gathered["total"] < autocast["total"] - autocast["total_fixed"]
 
 
+@pytest.mark.slow
 def test_each_memory_strategy_estimate_matches_two_ranks(tmp_path):
     listed = [entry for entry in estimates("gpt", 2) if entry["label"] in ("none", *CHANGED, *COMPOUND)]
     measure("gpt", 2, listed, tmp_path, timeout=300)

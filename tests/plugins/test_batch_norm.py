@@ -168,6 +168,7 @@ def finished(run: Path) -> Dict[str, Any]:
 HALF_FORMAT = {"stem_net": "float16", "conv_net": "bfloat16"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "dtype"), HALF_FORMAT.items())
 def test_amp_sharding_stages_keep_float32_running_stats(lightfleet, user, model, dtype):
     """Stages 1-3 under amp (one multirun of 3 jobs), against float32 stage 3."""
@@ -186,6 +187,7 @@ def test_amp_sharding_stages_keep_float32_running_stats(lightfleet, user, model,
                                   atol=TOLERANCE[dtype]), (overrides, name)
         assert amp["results"]["train_loss"] == pytest.approx(reference["results"]["train_loss"], rel=TOLERANCE[dtype])
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "dtype"), HALF_FORMAT.items())
 def test_amp_with_recompute_and_pipeline_keeps_float32_running_stats(lightfleet, user, model, dtype):
     train(lightfleet, f"experiment={model}", "strategy=[amp,recompute],[amp,pipeline]",

@@ -54,6 +54,7 @@ def probed(lightfleet, tmp_path: Path, *overrides: str, accelerator: str = "cpu"
     return {**seen, "_out": done.stdout + done.stderr}
 
 
+@pytest.mark.slow
 def test_fuse_grad_size_sets_the_ddp_buckets(lightfleet, tmp_path):
     small = probed(lightfleet, tmp_path, TWO_RANKS, BIG_MLP, "collective.fuse_grad_size_in_MB=1")
     (tmp_path / "run").rename(tmp_path / "small")
@@ -63,6 +64,7 @@ def test_fuse_grad_size_sets_the_ddp_buckets(lightfleet, tmp_path):
     assert all(int(size) <= (1 << 20) + (1 << 16) for size in small["bucket_sizes"].split(", ")[:-1])
 
 
+@pytest.mark.slow
 def test_ddp_threads_foreach_and_cpu_only_knobs(lightfleet, tmp_path):
     seen = probed(lightfleet, tmp_path, TWO_RANKS, "collective.find_unused_parameters=true",
                   "collective.execution_strategy.num_threads=2", "collective.build_strategy.fuse_all_optimizer_ops=true",
@@ -77,6 +79,7 @@ def test_ddp_threads_foreach_and_cpu_only_knobs(lightfleet, tmp_path):
     assert "collective.find_unused_parameters=True -> DDP find_unused_parameters" in build
 
 
+@pytest.mark.slow
 def test_sync_batch_norm_is_an_info_line_on_cpu(lightfleet, tmp_path):
     """DDP refuses SyncBatchNorm on CPU; on CUDA the knob is Lightning's sync_batchnorm=True."""
     seen = probed(lightfleet, tmp_path, TWO_RANKS, "model=resnet", "data=images", "collective.sync_batch_norm=true")
@@ -158,6 +161,7 @@ class HangingRank(pl.Callback):
 HANG_STARTED = "hang_started"  # when rank 1 stopped answering (seconds since the epoch)
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_ends_the_run_at_the_timeout_naming_the_other_rank(lightfleet, tmp_path):
     done = lightfleet(*STEPS, TWO_RANKS, "trainer.max_steps=6", "collective.timeout_s=3",
                       "+callbacks.hang._target_=test_collective.HangingRank")
@@ -194,6 +198,7 @@ execution_strategy {
 """
 
 
+@pytest.mark.slow
 def test_a_fleet_files_collective_fields_import_and_train(lightfleet, tmp_path):
     (tmp_path / "fleet.prototxt").write_text(FLEET_FILE)
     done = lightfleet("import-fleet", "fleet.prototxt", "-o", "cfg/experiment/fleet.yaml")

@@ -275,6 +275,7 @@ def test_refuses_without_the_hook():
 # --------------------------------------------------------------------------- 2 processes
 
 
+@pytest.mark.slow
 def test_bytes_sent_at_sparsity_0999_are_under_one_percent_of_dense(runs):
     shapes = shapes_of(runs["full"][0])
     for rank in runs["full"]:
@@ -313,6 +314,7 @@ def local_gradient(record: dict, step: int) -> dict:
     return {name: (p.grad + WEIGHT_DECAY * p.detach()).reshape(-1) for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_sent_plus_residual_is_the_momentum_corrected_accumulated_gradient(runs):
     # Recomputed in plain PyTorch from the bucket the hook was given and the state before the
     # step, against what it handed to all_gather and the state after the step.
@@ -359,6 +361,7 @@ def test_sent_plus_residual_is_the_momentum_corrected_accumulated_gradient(runs)
                     assert picked.abs().min() >= residual_of[name].abs().max()
 
 
+@pytest.mark.slow
 def test_update_is_minus_lr_times_average_of_sent_parts(runs):
     shapes = shapes_of(runs["full"][0])
     names = runs["full"][0]["names"]
@@ -379,6 +382,7 @@ def test_update_is_minus_lr_times_average_of_sent_parts(runs):
         assert torch.equal(p0, p1)  # every rank applies the same update
 
 
+@pytest.mark.slow
 def test_before_rampup_the_update_is_dense_momentum_sgd(runs):
     ranks = runs["full"]
     model = MLPClassifier()
@@ -408,6 +412,7 @@ def test_before_rampup_the_update_is_dense_momentum_sgd(runs):
                 assert not any(entry["residual"].any() for entry in record["state"].values())
 
 
+@pytest.mark.slow
 def test_warmup_walks_the_sparsity_list(runs):
     shapes = shapes_of(runs["full"][0])
     expected = [None] * BEGIN + [0.5, 0.5, 0.9, 0.9, 0.999, 0.999] + [0.999] * (STEPS - BEGIN - RAMPUP)
@@ -428,6 +433,7 @@ def test_warmup_walks_the_sparsity_list(runs):
         assert rank["final"]["step"] == STEPS
 
 
+@pytest.mark.slow
 def test_training_converges(runs):
     losses = [step["loss"] for step in runs["converge"][0]["steps"]]
     assert len(losses) == CONVERGE_STEPS
@@ -435,6 +441,7 @@ def test_training_converges(runs):
     assert end < 0.6 * start, (start, end, losses)
 
 
+@pytest.mark.slow
 def test_resume_restores_residuals_and_momentum(runs):
     for rank, (first, resumed, full) in enumerate(zip(runs["first"], runs["resumed"], runs["full"])):
         saved, restored = first["final"], resumed["restored"]

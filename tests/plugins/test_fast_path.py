@@ -229,6 +229,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_over_dtensor_parameters_only_the_kernels_torch_dispatches_are_fused(tmp_path):
     """torch 2.14's DTensor runs the fused Adam and AdamW kernels, not SGD's or Adagrad's: the
     fused optimizer follows what torch does (FUSED_ON_DTENSOR), and those two take foreach."""
@@ -406,6 +407,7 @@ def ranks_saw(lightfleet, tmp_path: Path, *overrides: str, ranks: int = 2) -> Li
     return [json.loads((tmp_path / "run" / f"fast_path.rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
+@pytest.mark.slow
 def test_fused_adamw_and_the_math_kernel_train_two_ddp_processes_with_recompute(lightfleet, tmp_path):
     ranks = ranks_saw(lightfleet, tmp_path, *GPT, "trainer.devices=2", "trainer.max_steps=20", "strategy=[recompute]",
                       "fast_path.fused_optimizer=true", "fast_path.attention=math", "trainer.limit_val_batches=0")
@@ -416,6 +418,7 @@ def test_fused_adamw_and_the_math_kernel_train_two_ddp_processes_with_recompute(
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-12)  # DDP kept them equal
 
 
+@pytest.mark.slow
 def test_sharding_stage_2_fuses_adamw_over_dtensors_and_runs_the_flash_kernel(lightfleet, tmp_path):
     ranks = ranks_saw(lightfleet, tmp_path, *GPT, "trainer.devices=2", "trainer.max_steps=3", "strategy=[sharding]",
                       "strategy.sharding.stage=2", "fast_path.fused_optimizer=true", "fast_path.attention=flash",
@@ -427,6 +430,7 @@ def test_sharding_stage_2_fuses_adamw_over_dtensors_and_runs_the_flash_kernel(li
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
+@pytest.mark.slow
 def test_the_pipelines_stages_run_the_math_kernel_in_each_micro_batchs_forward_recomputation_and_backward(
         lightfleet, tmp_path):
     ranks = ranks_saw(lightfleet, tmp_path, *GPT, "trainer.devices=2", "trainer.max_steps=2",
@@ -435,6 +439,7 @@ def test_the_pipelines_stages_run_the_math_kernel_in_each_micro_batchs_forward_r
         assert seen["attention"] == {"_safe_softmax": 8, "_softmax_backward_data": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_compile_with_float16_amp_and_recompute_trains_as_one_claim_of_the_fast_path_and_a_fusion_flag(
         lightfleet, tmp_path):

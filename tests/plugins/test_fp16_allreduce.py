@@ -9,6 +9,8 @@ import torch
 from distributed import load_ranks, run_two_ranks
 from probe import Knob, WiringCase
 
+pytestmark = pytest.mark.slow  # every test here trains in processes of its own
+
 STEPS = 3
 
 SCRIPT = """
@@ -17,7 +19,6 @@ import torch
 
 from distributed import AllReduceSpy, Record, fit, save
 from plugins.fp16_allreduce import build_hook
-
 
 class Gradients(pl.Callback):
     # This rank's local gradients (tensor hooks run before DDP's all-reduce) and the ones the

@@ -162,6 +162,7 @@ def test_parameters_follow_fleets_gradient_merge(k_steps, avg, paddle_merge, tmp
             torch.testing.assert_close(ours, fleets, rtol=1e-6, atol=1e-7, msg=f"{name} after step {step}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("avg", [True, False])
 def test_through_the_runner_the_merged_gradient_is_the_big_batch_mean_or_the_sum(avg, lightfleet, tmp_path):
     """`strategy=[gradient_merge]` on the command line, 4 micro-batches of 8: the first step's

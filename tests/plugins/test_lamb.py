@@ -149,6 +149,7 @@ def test_float16_overflow_steps_leave_params_and_state_untouched():
     assert {state["step"].item() for state in optimizer.state.values()} == {4.0}  # 6 steps, 2 skipped
 
 
+@pytest.mark.slow
 def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     ranks = run_ddp_fit("""
         import functools

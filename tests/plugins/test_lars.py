@@ -122,6 +122,7 @@ def test_float16_overflow_steps_leave_params_and_state_untouched():
     assert isinstance(fit_float16_with_overflows(model), LARS)
 
 
+@pytest.mark.slow
 def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     ranks = run_ddp_fit("""
         from dataclasses import asdict

@@ -45,6 +45,7 @@ def averages_after(step: int, k_steps: int) -> bool:
     return step > BEGIN_STEP and (step - BEGIN_STEP) % k_steps == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k_steps", K_STEPS)
 def test_synchronous_until_begin_step_then_averaged_every_k_steps(k_steps, run_dir):
     ranks = load_ranks(run_dir, f"k{k_steps}")
@@ -76,6 +77,7 @@ def test_synchronous_until_begin_step_then_averaged_every_k_steps(k_steps, run_d
         assert rank["syncs"] == rank["logged_syncs"] == LOCAL_STEPS // k_steps
 
 
+@pytest.mark.slow
 def test_all_reduce_calls_drop_by_k(run_dir):
     def calls(k_steps: int, local: bool) -> int:
         steps = load_ranks(run_dir, f"k{k_steps}")[0]["steps"]

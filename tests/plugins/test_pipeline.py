@@ -336,6 +336,7 @@ def reference_steps(record: list, steps: int, replicas: int = 1,
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", EXACT)
 def test_schedule_matches_single_process_training(runs, schedule):
     ranks = runs[schedule]
@@ -370,6 +371,7 @@ def reference_val_loss(record: list, validation: int, model: nn.Module, replicas
                                          for batch in rank["validations"][validation]["batches"]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", EXACT)
 def test_validation_logs_the_unsplit_models_eval_loss_on_every_rank(runs, schedule):
     ranks = runs[schedule]
@@ -380,6 +382,7 @@ def test_validation_logs_the_unsplit_models_eval_loss_on_every_rank(runs, schedu
             assert rank["validations"][validation]["val_loss"] == pytest.approx(loss, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_validation_runs_batch_norm_in_eval_mode(runs):
     """The sanity check before training, then a validation every VAL_EVERY steps: each the unsplit
     model's eval-mode loss, each leaving the batch-norm statistics as training left them."""
@@ -401,12 +404,14 @@ def test_validation_runs_batch_norm_in_eval_mode(runs):
         assert abs(train_mode - loss) > 1e-3
 
 
+@pytest.mark.slow
 def test_1f1b_holds_fewer_activations_than_gpipe(runs):
     one_f_one_b, gpipe = (runs[name][0]["steps"][0]["peak_bytes"] for name in ("mem_1F1B", "mem_GPipe"))
     # first stage, 8 micro-batches: GPipe keeps all 8 in flight, 1F1B at most 2 (p = 2 stages)
     assert 0 < one_f_one_b < 0.5 * gpipe, (one_f_one_b, gpipe)
 
 
+@pytest.mark.slow
 def test_resume_from_every_stage_checkpoint_gives_the_same_losses(runs):
     for first, resumed, full in zip(runs["first"], runs["resumed"], runs["full"]):
         assert [s["loss"] for s in first["steps"]] == [s["loss"] for s in full["steps"][:2]]
@@ -416,12 +421,14 @@ def test_resume_from_every_stage_checkpoint_gives_the_same_losses(runs):
             assert all(torch.equal(mine["grads"][name], g) for name, g in reference["grads"].items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "recompute"])
 def test_trains_with_amp_and_recompute(runs, name):
     losses = [step["loss"] for step in runs[name][0]["steps"]]
     assert len(losses) == TRAIN_STEPS and sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
 
 
+@pytest.mark.slow
 def test_bf16_stages_compute_in_bfloat16(runs):
     """Under bf16 amp the traced stages that run compute in bfloat16 (their modules' floating
     outputs) at every training step, on both ranks; in a float32 run they never do."""
@@ -433,6 +440,7 @@ def test_bf16_stages_compute_in_bfloat16(runs):
             assert step["dtypes"] == {"torch.float32"}, (index, step["dtypes"])
 
 
+@pytest.mark.slow
 def test_recompute_keeps_only_block_inputs(runs):
     for plain, recomputed in zip(runs["1F1B"], runs["recompute"]):
         # the same first step (same weights, micro-batches, stages): the wrapped blocks save their
@@ -445,6 +453,7 @@ def test_recompute_keeps_only_block_inputs(runs):
             torch.testing.assert_close(recomputed["steps"][0]["grads"][name], grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_runtime_refusals(runs):
     for rank in runs["bad_batch"]:
         assert rank["error"] == ("strategy.pipeline: a training batch of 12 samples is not accumulate_steps * "
@@ -460,6 +469,7 @@ def test_runtime_refusals(runs):
 # --------------------------------------------------------------------------- 4 processes: 2 stages x 2 replicas
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp", "zero"])
 def test_replicas_train_the_pipeline_on_the_global_batch(dp_runs, name):
     ranks = dp_runs[name]
@@ -487,6 +497,7 @@ def test_replicas_train_the_pipeline_on_the_global_batch(dp_runs, name):
                 torch.testing.assert_close(record["params"][key], params[key], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_validation_loss_is_averaged_over_the_replicas(dp_runs):
     ranks = dp_runs["dp"]
     for validation in range(STEPS // VAL_EVERY):
@@ -497,6 +508,7 @@ def test_validation_loss_is_averaged_over_the_replicas(dp_runs):
             assert rank["validations"][validation]["val_loss"] == pytest.approx(loss, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_zero_shards_the_optimizer_states_over_the_replicas(dp_runs):
     def state_bytes(record):
         return sum(t.numel() * t.element_size() for values in record["state"].values() for t in values.values())
@@ -512,6 +524,7 @@ def test_zero_shards_the_optimizer_states_over_the_replicas(dp_runs):
         assert sum(map(state_bytes, shares)) == state_bytes(unsharded)
 
 
+@pytest.mark.slow
 def test_resume_with_replicas_and_zero_gives_the_same_losses(dp_runs):
     # ZeRO copies the decayed learning rate into each rank's share only when it steps: the
     # checkpoint must hold the decayed one, and resuming must give it back to ZeRO.

@@ -235,6 +235,7 @@ def test_units_never_stop_at_a_module_whose_forward_the_model_skips():
 # --------------------------------------------------------------------------- 2 processes
 
 
+@pytest.mark.slow
 def test_per_rank_bytes_follow_the_zero_formulas(runs):
     """fp32 AdamW, P parameters, N = 2 ranks, bytes per rank (within 5%):
 
@@ -258,6 +259,7 @@ def test_per_rank_bytes_follow_the_zero_formulas(runs):
                     assert step[kind] == pytest.approx(value, rel=0.05, abs=1), (name, kind, step[kind], value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["stage1", "stage2", "stage3", "offload", "hybrid"])
 def test_losses_equal_plain_ddp(runs, name):
     for mine, ddp in zip(runs[name], runs["ddp"], strict=True):
@@ -267,6 +269,7 @@ def test_losses_equal_plain_ddp(runs, name):
             torch.testing.assert_close(mine["params"][key], value, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_units_and_hybrid_layout(runs):
     assert runs["stage2"][0]["units"] == [["stem", "blocks.0"], ["blocks.1", "blocks.2"], ["head"]]
     # dp_degree=2, degree=1: parameters replicated, not sharded; both ranks hold everything.
@@ -274,6 +277,7 @@ def test_units_and_hybrid_layout(runs):
     assert all(step["params"] == 4 * P for rank in runs["hybrid"] for step in rank["memory"])
 
 
+@pytest.mark.slow
 def test_offload_policy_keeps_optimizer_state_in_host_memory(runs):
     for rank in runs["offload"]:
         assert set(rank["offload"]) == {"CPUOffloadPolicy"}  # every unit and the root
@@ -281,6 +285,7 @@ def test_offload_policy_keeps_optimizer_state_in_host_memory(runs):
     assert all(set(rank["offload"]) == {"OffloadPolicy"} for rank in runs["stage3"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_checkpoint_resumes_to_the_uninterrupted_run_and_exports_to_one_file(runs, stage):
     for first, resumed, full in zip(runs[f"first{stage}"], runs[f"resumed{stage}"], runs[f"stage{stage}"]):
@@ -307,6 +312,7 @@ def test_checkpoint_resumes_to_the_uninterrupted_run_and_exports_to_one_file(run
     torch.testing.assert_close(outputs, runs[f"first{stage}"][0]["outputs"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lamb_stage1", "lamb_stage3"])
 def test_lamb_on_sharded_parameters_uses_full_tensor_norms(runs, name):
     for mine, ddp in zip(runs[name], runs["lamb_ddp"], strict=True):
@@ -329,6 +335,7 @@ def test_lamb_on_sharded_parameters_uses_full_tensor_norms(runs, name):
         assert sorted(names) == sorted(runs["lamb_ddp"][0]["params"])
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_reduces_once_per_step_and_equals_ddp(runs):
     # block_backward_sync turns FSDP's gradient sync off on the first micro-step of each pair:
     # 4 optimizer steps of 2 micro-batches reduce-scatter as often per step as 20 plain steps.
@@ -341,6 +348,7 @@ def test_gradient_accumulation_reduces_once_per_step_and_equals_ddp(runs):
             torch.testing.assert_close(mine["params"][key], value, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_float16_amp_gathers_half_parameters_keeps_float32_shards_and_reduces_in_float32(runs):
     for rank in runs["fp16_stage2"]:
         assert rank["dtypes"] == ["torch.float16"]
@@ -383,6 +391,7 @@ def test_offload_keeps_optimizer_state_on_the_host_while_computing_on_cuda(tmp_p
     assert seen == {"loss": "cuda", "state": {"cpu"}, "params": {"cpu"}}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_gpt_under_stage_2_trains_like_one_process(lightfleet, tmp_path):
     """mp_degree=2 through the whole runner (plan, launcher, Lightning, FSDP2 over a 1-rank shard
     group): the 2 ranks split every block and read the same batches, so the losses are those of

@@ -113,6 +113,7 @@ def run_dir(tmp_path_factory):
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_split_model_computes_and_trains_like_the_whole_one(mesh, run_dir):
     for record in load_ranks(run_dir, mesh):
@@ -128,6 +129,7 @@ def test_split_model_computes_and_trains_like_the_whole_one(mesh, run_dir):
             torch.testing.assert_close(trained[name], param, atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_each_rank_holds_half_of_each_split_weight(mesh, run_dir):
     for record in load_ranks(run_dir, mesh):
@@ -138,6 +140,7 @@ def test_each_rank_holds_half_of_each_split_weight(mesh, run_dir):
         assert {name.rpartition(".")[0] for name in record["bytes"]} == SPLIT
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, message", [
     ("no_hook", r"^strategy\.sharding\.mp_degree=2: .*MLPClassifier has no tensor_parallel_plan\(\) method"),
     ("heads", r"^strategy\.sharding\.mp_degree=2: blocks\.0\.attn has 3 attention heads .*not divisible by 2"),
@@ -153,6 +156,7 @@ def test_refusals_leave_the_model_untouched(case, message, run_dir):
         assert untouched, case  # checked before anything is split
 
 
+@pytest.mark.slow
 def test_recompute_after_tensor_parallelism_wraps_the_split_blocks(run_dir):
     for record in load_ranks(run_dir, "recompute"):
         assert record["names"] == sorted(SPLIT) and record["recomputed"] == ["blocks.0", "blocks.1"]

@@ -91,6 +91,7 @@ def test_bad_value_in_gradient_merge(lightfleet):
                           "strategy.gradient_merge.k_steps=0: must be >= 1")
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_and_writes_nothing(lightfleet, tmp_path):
     done = lightfleet("dry_run=true", "strategy=[amp,recompute,gradient_merge]",
                       "strategy.gradient_merge.k_steps=4", "trainer.devices=2")
@@ -101,6 +102,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(lightfleet, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(lightfleet, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -127,6 +129,7 @@ def test_cfg_prints_the_composed_config(lightfleet):
     assert "k_steps: 4" in done.stdout and "GPTDecoder" in done.stdout
 
 
+@pytest.mark.slow
 def test_help_answers_without_torch_lightning_or_hydra_and_lists_the_subcommands(tmp_path):
     """In a fresh process: --help imports none of them, and takes a small share of `import torch`."""
     script = ("import sys; from runner.command.cli import main; assert main(['--help']) == 0; "
@@ -273,6 +276,7 @@ def evaluated(done: subprocess.CompletedProcess) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_eval_of_a_run_or_of_a_checkpoint_trains_nothing_and_prints_the_metrics(lightfleet, trained):
     of_run = evaluated(lightfleet("eval", str(trained)))
     # A checkpoint without a run directory: the config the overrides compose, evaluate=true.
@@ -283,6 +287,7 @@ def test_eval_of_a_run_or_of_a_checkpoint_trains_nothing_and_prints_the_metrics(
     assert tested["test_loss"] > 0 and "test_loss" not in of_run
 
 
+@pytest.mark.slow
 def test_replay_trains_the_saved_config_again_from_its_start_with_the_overrides(lightfleet, trained):
     first = yaml.safe_load((trained / "results.yaml").read_text())
     run, again = ran(lightfleet("replay", str(trained)))
@@ -292,6 +297,7 @@ def test_replay_trains_the_saved_config_again_from_its_start_with_the_overrides(
     assert shorter["global_step"] == 2 and yaml.safe_load((run / "config.yaml").read_text())["trainer"]["max_steps"] == 2
 
 
+@pytest.mark.slow
 def test_report_of_a_run_directory_through_the_command(lightfleet, trained, tmp_path):
     run = shutil.copytree(trained, tmp_path / "copied")
     done = lightfleet("report", str(run))

@@ -97,6 +97,7 @@ def test_workers_serve_the_same_batches(token_files):
 # --------------------------------------------------------------------------- bad input: one line, exit 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     ({"train_bin": "missing.bin"}, "data.train_bin='missing.bin': no such file (a flat file of uint16 token ids"),
     ({"val_bin": "odd.bin"}, "data.val_bin='odd.bin': 7 bytes is not a whole number of uint16 tokens (2 bytes each)"),
@@ -152,6 +153,7 @@ def test_imagefolder_crops_and_order_depend_on_the_seed_and_epoch_not_on_workers
     assert not torch.equal(epoch(0), first)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make, knobs, message", [
     (False, {"root": "nowhere"}, "data.root='nowhere': no such folder (train/ and val/ folders of class folders"),
     (True, {"val_split": "valid"}, "data.val_split='valid': no folder"),

@@ -213,6 +213,7 @@ def test_resnet50_strategy_imports_as_amp_with_its_knobs(tmp_path, capsys):
     assert yaml.safe_load(experiment.read_text())["collective"] == RESNET50_COLLECTIVE
 
 
+@pytest.mark.slow
 def test_import_train_and_export_through_the_command(lightfleet, tmp_path):
     (tmp_path / "resnet50.prototxt").write_text(RESNET50)
     done = lightfleet("import-fleet", "resnet50.prototxt", "-o", "cfg/experiment/fleet_resnet.yaml")
@@ -443,6 +444,7 @@ def paddles_files(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_every_export_loads_in_paddle_with_the_same_values(tmp_path, capsys):
     exports = []
     cases = {**ROUND_TRIPS, "collective": ["collective.fuse_grad_size_in_MB=16", "collective.nccl_comm_num=2",

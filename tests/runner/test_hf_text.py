@@ -162,6 +162,7 @@ SHRUNK = ["model=causal_lm", "model.d_model=32", "model.n_layers=2", "model.n_he
     ({"seq_len": 500}, "data.seq_len=500: longer than the val split (val_split=validation) of corpus allows: it "
                        "holds "),
 ], ids=["no_path", "no_column", "no_split", "no_split_of_files", "no_tokenizer", "seq_len_too_long"])
+@pytest.mark.slow
 def test_bad_input_is_refused_in_one_line(lightfleet, files, change, message):
     (files / "corpus.jsonl").write_text('{"text": "a document"}\n')
     done = lightfleet(*SHRUNK, "model.vocab_size=320", *[f"data.{key}={value}" for key, value in change.items()])
@@ -169,6 +170,7 @@ def test_bad_input_is_refused_in_one_line(lightfleet, files, change, message):
     assert done.stderr.splitlines()[-1].startswith(f"lightfleet: error: {message}"), done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused_and_a_large_enough_one_trains(lightfleet, files):
     refused = lightfleet(*SHRUNK, "model.vocab_size=256")
     assert refused.returncode == 2 and refused.stderr.splitlines()[-1] == (

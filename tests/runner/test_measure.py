@@ -28,6 +28,7 @@ def results(run: Path) -> dict:
     return yaml.safe_load((run / "results.yaml").read_text())
 
 
+@pytest.mark.slow
 def test_single_process_figures_agree_with_the_steps_and_the_clock(lightfleet, tmp_path):
     started = time.time()
     done = lightfleet("model=gpt", "data=language_model", "paths.output_dir=run", "measure.warmup_steps=3", *QUIET)
@@ -58,6 +59,7 @@ def test_single_process_figures_agree_with_the_steps_and_the_clock(lightfleet, t
     assert "samples/s" in done.stdout and "peak memory" in done.stdout  # the end summary
 
 
+@pytest.mark.slow
 def test_two_replicas_count_both_and_a_pipeline_counts_its_batch_once(lightfleet, tmp_path):
     done = lightfleet("experiment=mlp_ddp_amp", "paths.output_dir=ddp", *QUIET)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -76,6 +78,7 @@ def test_two_replicas_count_both_and_a_pipeline_counts_its_batch_once(lightfleet
     assert pipe["samples_seen"] == STEPS * batch
 
 
+@pytest.mark.slow
 def test_a_model_twice_as_wide_reports_more_peak_memory(lightfleet, tmp_path):
     peaks = {}
     for width in (1024, 2048):
@@ -86,6 +89,7 @@ def test_a_model_twice_as_wide_reports_more_peak_memory(lightfleet, tmp_path):
     assert peaks[2048] - peaks[1024] > 100
 
 
+@pytest.mark.slow
 def test_switched_off_the_run_records_no_figures(lightfleet, tmp_path):
     done = lightfleet("measure.enabled=false", "paths.output_dir=run", *QUIET)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -187,6 +191,7 @@ class SlowData(SyntheticClassificationData):
 '''
 
 
+@pytest.mark.slow
 def test_a_slow_loader_raises_the_wait_for_data_and_the_summary_says_so(lightfleet, tmp_path):
     (tmp_path / "slow_data.py").write_text(SLOW_DATA)
     (tmp_path / "user" / "data").mkdir(parents=True)

@@ -65,6 +65,7 @@ def counted_model(tmp_path: Path) -> Path:
     return log
 
 
+@pytest.mark.slow
 def test_the_model_is_built_on_the_meta_device_once_per_command(lightfleet, counted_model):
     done = lightfleet("model._target_=counted.CountedMLP", "dry_run=true")
     assert done.returncode == 0, done.stderr

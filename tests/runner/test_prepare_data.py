@@ -247,6 +247,7 @@ def test_existing_token_files_are_never_overwritten(lightfleet, tmp_path, tokeni
 # --------------------------------------------------------------------------- the files train
 
 
+@pytest.mark.slow
 def test_the_printed_command_trains_on_the_files_and_a_smaller_model_vocabulary_is_refused(
         lightfleet, tmp_path, tokenizer):
     text_files(tmp_path / "corpus", DOCS)

@@ -109,6 +109,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_naming_it_and_the_f
         check_weights_fit(checkpoint, checkpoint_contents(checkpoint), narrower)
 
 
+@pytest.mark.slow
 def test_the_command_says_which_run_it_continues_and_refuses_a_checkpoint_of_another_model(lightfleet, tmp_path):
     newest = saved_run(tmp_path / "outputs" / "run", "quickstart", MLPClassifier(), step=7, age_s=0)
     shown = lightfleet("experiment=quickstart", "ckpt_path=last", "dry_run=true")

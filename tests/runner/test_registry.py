@@ -101,6 +101,7 @@ THROWAWAY = {
 }
 
 
+@pytest.mark.slow
 def test_a_new_strategy_is_four_new_files_and_nothing_else(project_copy):
     for path, text in THROWAWAY.items():
         (project_copy.root / path).write_text(textwrap.dedent(text).lstrip())
