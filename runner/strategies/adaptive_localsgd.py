@@ -27,4 +27,5 @@ class AdaptiveLocalSGDConfig(LocalSGDFamily):
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(comm_hook=self.synchronous_until_begin_step(),
-                            callbacks=[self.averaging("plugins.adaptive_localsgd:AdaptiveModelAveraging")])
+                            callbacks=[Component("plugins.adaptive_localsgd:AdaptiveModelAveraging",
+                                                 self.averaging_knobs())])

@@ -30,11 +30,11 @@ class LocalSGDFamily(Strategy):
         """The communication hook: DDP's allreduce until begin_step, nothing after."""
         return Component("plugins.localsgd:build_hook", {"begin_step": self.begin_step})
 
-    def averaging(self, target: str) -> Component:
-        """The member's averaging callback, given its own knobs first and begin_step last."""
+    def averaging_knobs(self) -> dict:
+        """The member's knobs for its averaging callback: its own first, begin_step last."""
         knobs = asdict(self)
         begin_step = knobs.pop("begin_step")
-        return Component(target, {**knobs, "begin_step": begin_step})
+        return {**knobs, "begin_step": begin_step}
 
 
 @dataclass
@@ -54,4 +54,4 @@ class LocalSGDConfig(LocalSGDFamily):
 
     def contribute(self, run: RunShape) -> Contribution:
         return Contribution(comm_hook=self.synchronous_until_begin_step(),
-                            callbacks=[self.averaging("plugins.localsgd:ModelAveraging")])
+                            callbacks=[Component("plugins.localsgd:ModelAveraging", self.averaging_knobs())])
