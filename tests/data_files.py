@@ -44,12 +44,13 @@ def picture_folder(root: Path, per_class: dict, size: int = 32) -> Path:
     return root
 
 
-def on_device(device: str = "cpu", epoch: int = 0, processes: int = 1) -> SimpleNamespace:
-    """What a data module reads of Lightning's trainer, for a run on `device` in `epoch`, `processes` on the node."""
+def on_device(device: str = "cpu", epoch: int = 0, processes: int = 1, precision: str = "32-true") -> SimpleNamespace:
+    """What a data module or a model reads of Lightning's trainer, for a run on `device` in
+    `precision` in `epoch`, `processes` on the node."""
     import torch
 
     return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=processes,
-                           current_epoch=epoch, distributed_sampler_kwargs=None)
+                           current_epoch=epoch, distributed_sampler_kwargs=None, precision=precision)
 
 
 END_OF_TEXT = "<|endoftext|>"

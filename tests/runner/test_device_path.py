@@ -73,24 +73,28 @@ def test_batches_reach_the_device_without_blocking_and_in_channels_last(model):
     with copies:  # to another device than the CPU (the meta device stands in for a GPU)
         moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
     assert copies.non_blocking == [True, True]
-    module.channels_last = "true"  # model.channels_last=true; auto means CUDA only
+    module.channels_last = "true"  # model.channels_last=true
     images, labels = module.on_after_batch_transfer(batch, 0)
     assert images.is_contiguous(memory_format=torch.channels_last) and labels is batch[1]
-    module.channels_last = "auto"
-    assert module.on_after_batch_transfer(batch, 0) is batch  # on a CPU nothing changes
+    module.channels_last, module.trainer = "auto", on_device("cpu")
+    assert module.on_after_batch_transfer(batch, 0) is batch  # on a CPU in float32 nothing changes
     assert module.on_after_batch_transfer(moved, 0)[0].device.type == "meta"
 
 
 @pytest.mark.parametrize("model", [ResNetClassifier, lambda: VisionClassifier("resnet18", num_classes=4, image_size=16)],
                          ids=["resnet", "vision"])
-@pytest.mark.parametrize("device, setting, converted", [("cuda", "auto", True), ("cpu", "auto", False),
-                                                        ("cpu", "true", True), ("cuda", "false", False)])
-def test_convolution_weights_take_channels_last_on_cuda_or_when_asked(model, device, setting, converted):
+@pytest.mark.parametrize("device, precision, setting, converted", [
+    ("cuda", "32-true", "auto", True), ("cpu", "32-true", "auto", False), ("cpu", "bf16-mixed", "auto", True),
+    ("cpu", "16-mixed", "auto", True), ("cpu", "32-true", "true", True), ("cuda", "16-mixed", "false", False)])
+def test_convolution_weights_take_channels_last_on_cuda_on_a_cpu_in_16_bits_or_when_asked(model, device, precision,
+                                                                                         setting, converted):
     module = model()
     module.channels_last = setting
-    module.trainer = on_device(device)
+    module.trainer = on_device(device, precision=precision)
     module.setup("fit")
     weights = [m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)]
     assert weights and all(w.is_contiguous(memory_format=torch.channels_last) == converted for w in weights)
+    images = module.on_after_batch_transfer((torch.randn(2, 3, 16, 16), torch.tensor([0, 1])), 0)[0]
+    assert images.is_contiguous(memory_format=torch.channels_last) == converted or device == "cuda"
     with pytest.raises(ValueError, match=r"^channels_last=sometimes: must be one of auto, true, false$"):
         module.set_channels_last("sometimes")
