@@ -18,10 +18,10 @@ import pytest
 import torch
 import yaml
 
-from data_files import gpt2_on_tokens, resnet_on_images
-from probe import strategy_tests
+from tests.helpers.data_files import gpt2_on_tokens, resnet_on_images
+from tests.helpers.probe import strategy_tests
 from runner.config.compat import load_table
-from test_resume import checkpoint_overrides, resumes_exactly
+from tests.helpers.resume import checkpoint_overrides, resumes_exactly
 
 ROWS = sorted(sorted(row) for row in load_table().allowed)
 STEPS, CHECKPOINT_STEP = 30, 13  # the resume starts in the middle of an epoch
@@ -43,7 +43,8 @@ def trains_and_acts(lightfleet, tmp_path, row: list, extra: list, steps: int, *m
     devices = int(next(o for o in extra if o.startswith("trainer.devices=")).partition("=")[2])
     done = lightfleet(f"strategy=[{','.join(row)}]", "paths.output_dir=run", *extra,
                       f"trainer.max_steps={steps}", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-                      "trainer.enable_model_summary=false", "+callbacks.effects._target_=probe.Effects", *more)
+                      "trainer.enable_model_summary=false", "+callbacks.effects._target_=tests.helpers.probe.Effects",
+                      *more)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     assert sorted(yaml.safe_load((run / "plan.yaml").read_text())["strategies"]) == row

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from runner.rank.parent import INTERRUPTED, PREEMPTED
-from test_preemption import REACHED, rank_pids, start, wait_for, wait_gone
+from tests.helpers.preemption import REACHED, rank_pids, start, wait_for, wait_gone
 
 
 def starting_ranks(run: Path, process: subprocess.Popen, count: int = 2) -> list:

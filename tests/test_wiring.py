@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from probe import strategy_tests
+from tests.helpers.probe import strategy_tests
 from runner import strategies
 
 CASES = [(name, index) for name in strategies.names() for index in range(len(getattr(strategy_tests(name), "WIRING", [])))]
@@ -33,8 +33,8 @@ def test_knobs_set_on_the_command_line_reach_the_plugins(name, index, lightfleet
     for knob_name, knob in case.knobs.items():
         assert knob.value != getattr(defaults, knob_name), f"{name}.{knob_name}: set a non-default value"
     selection = next((o for o in case.overrides if o.startswith("strategy=")), f"strategy=[{name}]")
-    probe = [] if case.from_run_dir else ["+callbacks.probe._target_=probe.Wiring", f"+callbacks.probe.strategy={name}",
-                                          f"+callbacks.probe.case={index}"]
+    probe = [] if case.from_run_dir else ["+callbacks.probe._target_=tests.helpers.probe.Wiring",
+                                          f"+callbacks.probe.strategy={name}", f"+callbacks.probe.case={index}"]
     done = lightfleet(selection, *[o for o in case.overrides if o != selection],
                       *[knob.override(name, knob_name) for knob_name, knob in case.knobs.items()],
                       "paths.output_dir=run", *probe, *FAST)

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from distributed import load_ranks, run_two_ranks
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.adaptive_localsgd import AdaptiveModelAveraging, next_k_steps
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 
 BEGIN_STEP = 2
 MAX_STEPS = 60
@@ -27,7 +27,7 @@ SCRIPT = """
 import pytorch_lightning as pl
 import torch
 
-from distributed import AllReduceSpy, Record, fit, save
+from tests.helpers.distributed import AllReduceSpy, Record, fit, save
 from plugins.adaptive_localsgd import AdaptiveModelAveraging
 from plugins.localsgd import build_hook
 from runner.models import MLPClassifier

@@ -14,9 +14,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from paddle_reference import run_paddle
+from tests.helpers.paddle_reference import run_paddle
 from plugins.amp import FleetGradScaler, apply_precision_lists, build_precision
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from plugins.transforms import ModelContext
 from runner.data import SyntheticClassificationData
 from runner.core.errors import ConfigError
@@ -395,7 +395,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from distributed import save
+from tests.helpers.distributed import save
 from plugins.amp import build_precision
 from plugins.ddp import build_ddp
 from runner.data import SyntheticClassificationData
@@ -435,7 +435,7 @@ save("amp", {"scales": recorder.scales, "updated": recorder.updated,
 
 
 def test_an_overflow_on_one_rank_makes_every_rank_skip_and_back_off(tmp_path):
-    from distributed import load_ranks, run_two_ranks
+    from tests.helpers.distributed import load_ranks, run_two_ranks
 
     run_two_ranks(TWO_RANKS_SCRIPT, tmp_path)
     ranks = load_ranks(tmp_path, "amp")

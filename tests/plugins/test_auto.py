@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from runner.config.compat import load_table
 from runner.core.contribution import Facts, Memory
 from runner.strategies import schemas

@@ -17,12 +17,12 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from distributed import load_ranks, run_two_ranks
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.ddp import build_ddp
 from plugins.dgc import build_hook, replace_optimizer
 from plugins.dgc_compression import message_bytes, sparsity_at, top_k
 from plugins.dgc_state import DGCState
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
 from runner.strategies.dgc import DGCConfig
@@ -44,7 +44,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from distributed import AllGatherSpy, AllReduceSpy, save
+from tests.helpers.distributed import AllGatherSpy, AllReduceSpy, save
 from plugins.ddp import FleetDDPStrategy
 from plugins.dgc import DGCCheckpoint, build_hook, replace_optimizer
 from runner.rank.resume import EpochEndPosition

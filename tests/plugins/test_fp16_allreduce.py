@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import load_ranks, run_two_ranks
-from probe import Knob, WiringCase
+from tests.helpers.distributed import load_ranks, run_two_ranks
+from tests.helpers.probe import Knob, WiringCase
 
 STEPS = 3
 
@@ -15,7 +15,7 @@ SCRIPT = """
 import pytorch_lightning as pl
 import torch
 
-from distributed import AllReduceSpy, Record, fit, save
+from tests.helpers.distributed import AllReduceSpy, Record, fit, save
 from plugins.fp16_allreduce import build_hook
 
 

@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from paddle_reference import run_paddle
+from tests.helpers.paddle_reference import run_paddle
 from plugins.gradient_merge import GradientSum
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from runner.core.contribution import RunShape
 from runner.core.world import World
 from runner.models import ClassifierModule, MLPClassifier
@@ -170,7 +170,7 @@ def test_through_the_runner_the_merged_gradient_is_the_big_batch_mean_or_the_sum
                       f"strategy.gradient_merge.avg={str(avg).lower()}", "data.batch_size=8", "trainer.max_steps=1",
                       "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
                       "paths.output_dir=run",
-                      "+callbacks.first_step._target_=probe.FirstStep")
+                      "+callbacks.first_step._target_=tests.helpers.probe.FirstStep")
     assert done.returncode == 0, done.stderr[-3000:]
     record = torch.load(tmp_path / "run" / "first_step.pt", weights_only=False)
     assert len(record["batches"]) == 4

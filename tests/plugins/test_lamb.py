@@ -1,6 +1,6 @@
 """plugins.lamb: the foreach LAMB against the formula written one tensor at a time, the
 replacement of the user's Adam/AdamW, float16 overflow steps, and a real 2-process DDP run.
-The checks shared with test_lars.py live in optimizer_checks.py."""
+The checks shared with test_lars.py live in tests/helpers/optimizer_checks.py."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -8,12 +8,12 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
-from optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
-from optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
-from optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
+from tests.helpers.optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
+from tests.helpers.optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
+from tests.helpers.optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
+from tests.helpers.optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
 from plugins.lamb import LAMB, replace_optimizer
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
 from runner.strategies.lamb import LambConfig
@@ -156,7 +156,7 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
 
         import torch
 
-        from optimizer_checks import fit_ddp_rank
+        from tests.helpers.optimizer_checks import fit_ddp_rank
         from plugins.lamb import replace_optimizer
         from runner.strategies.lamb import LambConfig
 

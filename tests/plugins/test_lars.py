@@ -1,6 +1,6 @@
 """plugins.lars: the foreach LARS against the formula written one tensor at a time, the
 replacement of the user's momentum SGD, float16 overflow steps, and a real 2-process DDP run.
-The checks shared with test_lamb.py live in optimizer_checks.py."""
+The checks shared with test_lamb.py live in tests/helpers/optimizer_checks.py."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -8,12 +8,12 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
-from optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
-from optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
-from optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
+from tests.helpers.optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
+from tests.helpers.optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
+from tests.helpers.optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
+from tests.helpers.optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
 from plugins.lars import LARS, replace_optimizer
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
 from runner.strategies.lars import LarsConfig
@@ -126,7 +126,7 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     ranks = run_ddp_fit("""
         from dataclasses import asdict
 
-        from optimizer_checks import fit_ddp_rank
+        from tests.helpers.optimizer_checks import fit_ddp_rank
         from plugins.lars import replace_optimizer
         from runner.strategies.lars import LarsConfig
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import load_ranks, run_two_ranks
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.localsgd import ModelAveraging
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 
 BEGIN_STEP = 3
 LOCAL_STEPS = 16  # after begin_step: a multiple of every k below
@@ -16,7 +16,7 @@ K_STEPS = (1, 4)
 LR = 0.1  # plain SGD (fit's default): a local step is exactly params - LR * local gradient
 
 SCRIPT = """
-from distributed import AllReduceSpy, Record, fit, save
+from tests.helpers.distributed import AllReduceSpy, Record, fit, save
 from plugins.localsgd import ModelAveraging, build_hook
 
 spy = AllReduceSpy()

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from distributed import load_ranks, run_two_ranks
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.pipeline_split import balanced_cuts, stage_ranks, stage_split_points
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier
 
@@ -41,7 +41,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from bench.pipeline import SavedActivationBytes
-from distributed import save
+from tests.helpers.distributed import save
 from plugins.amp import build_precision
 from plugins.pipeline import build_pipeline, split_stages
 from runner.rank.resume import EpochEndPosition

@@ -15,7 +15,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from plugins.recompute import apply_recompute
 from plugins.transforms import ModelContext
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier

@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from distributed import PROJECT_ROOT, load_ranks, run_two_ranks
+from tests.helpers.commands import PROJECT_ROOT
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.layerwise import NO_WEIGHT_DECAY
 from plugins.sharding import shard_units
-from probe import Knob, WiringCase
+from tests.helpers.probe import Knob, WiringCase
 from runner.models import GPTDecoder, MLPClassifier
 
 STEPS, HALF, LAMB_STEPS = 20, 8, 5
@@ -36,7 +37,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from distributed import save
+from tests.helpers.distributed import save
 from plugins.amp import build_precision
 from plugins.lamb import replace_optimizer
 from runner.rank.resume import EpochEndPosition

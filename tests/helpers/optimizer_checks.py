@@ -13,8 +13,7 @@
   `fit_float16_with_overflows` (skipped steps leave parameters and state untouched), and
   `run_ddp_fit` with its rank side `fit_ddp_rank` (2 processes: both train, and agree).
 
-pytest imports this module as `optimizer_checks` (tests/plugins is on sys.path: no __init__.py
-here); the 2-process runs import it the same way.
+The 2-process runs import it as the tests do, `tests.helpers.optimizer_checks`.
 """
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from distributed import WORLD_SIZE, run_two_ranks
-from paddle_reference import run_paddle
+from tests.helpers.distributed import WORLD_SIZE, run_two_ranks
+from tests.helpers.paddle_reference import run_paddle
 from plugins.amp import build_precision
 from plugins.recompute import apply_recompute
 from plugins.transforms import ModelContext
