@@ -315,22 +315,6 @@ def run_ddp_fit(script: str, tmp_path: Path) -> List[Dict[str, Any]]:
     return ranks
 
 
-# Readers of a run's replaced optimizer, for tests/test_wiring.py.
-
-
-def group_key(key: str):
-    return lambda trainer, model: trainer.optimizers[0].param_groups[0][key]
-
-
-def excludes(pattern: str):
-    """Reader: whether exactly the parameters named with `pattern` are flagged for no weight decay."""
-    def read(trainer, model):
-        names = {id(p): name for name, p in model.named_parameters()}
-        return all(flag == (pattern in names[id(p)]) for group in trainer.optimizers[0].param_groups
-                   for p, flag in zip(group["params"], group["no_weight_decay"]))
-    return read
-
-
 # --------------------------------------------------------------------------- Paddle as the reference
 
 # Three tensors, one step of gradients each: a layer's weight and bias, and a weight whose

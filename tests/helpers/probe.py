@@ -3,8 +3,9 @@ line (`+callbacks.probe._target_=tests.helpers.probe.Wiring ...`), to see from i
 what the strategies' plugins received and what they did. The project's root is on the runs'
 PYTHONPATH (tests/helpers/commands.py), so a rank imports this module as the tests do.
 
-- `Wiring`: each knob as the object carrying it out sees it (`WIRING` of tests/plugins/test_<name>.py).
-- `Effects`: what every strategy is known for, observed alike in every run (`row_effect` of the same).
+- `Wiring`: each knob as the object carrying it out sees it (a strategy's `wiring`, declared in
+  tests/helpers/strategies.py).
+- `Effects`: what every strategy is known for, observed alike in every run (its `row_effect`, there).
 - `FirstStep`, `FinalState`, `SynchronisingCalls`: what many tests read; then the callbacks of one
   test module each (a run loads them by name, so they live here, not in the test module).
 
@@ -13,12 +14,10 @@ And what in-process tests share: `knobs_of` (every knob a table of knob effects 
 """
 from __future__ import annotations
 
-import importlib
 import json
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -31,41 +30,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-Reader = Callable[[pl.Trainer, pl.LightningModule], Any]
-
-
-@dataclass
-class Knob:
-    """A knob set to `value` on the command line, and how to read it off the objects of a run."""
-
-    value: Any
-    read: Reader
-    expected: Any = None  # what `read` must return, when it is not `value` itself
-
-    def override(self, strategy: str, name: str) -> str:
-        text = json.dumps(self.value) if not isinstance(self.value, str) else self.value
-        return f"strategy.{strategy}.{name}={text.replace(' ', '')}"
-
-
-@dataclass
-class WiringCase:
-    """Non-default knobs of one strategy, set together in one run with `overrides`. With
-    `from_run_dir`, each knob's `read` takes the run directory after the command ends instead
-    (strategy=[auto]: what it tried and chose is written there, and search_only trains nothing)."""
-
-    knobs: Dict[str, Knob]
-    overrides: List[str] = field(default_factory=list)
-    from_run_dir: bool = False
-
-
-def strategy_tests(name: str) -> Any:
-    """tests/plugins/test_<name>.py, the strategy's test module."""
-    return importlib.import_module(f"tests.plugins.test_{name}")
-
-
 class Wiring(pl.Callback):
-    """After the first training batch, rank 0 writes what the readers of `WIRING[case]` of the
-    strategy's test module see into wiring.json in the run directory."""
+    """After the first training batch, rank 0 writes what the readers of the strategy's wiring case
+    `case` (tests/helpers/strategies.py) see into wiring.json in the run directory."""
 
     def __init__(self, strategy: str, case: int) -> None:
         self.strategy, self.case = strategy, case
@@ -74,7 +41,9 @@ class Wiring(pl.Callback):
                            batch_idx: int) -> None:
         if batch_idx or not trainer.is_global_zero:
             return
-        knobs = strategy_tests(self.strategy).WIRING[self.case].knobs
+        from tests.helpers.strategies import STRATEGIES  # here: only the runs that wire import the readers' plugins
+
+        knobs = STRATEGIES[self.strategy].wiring[self.case].knobs
         seen = {name: knob.read(trainer, pl_module) for name, knob in knobs.items()}
         Path(trainer.default_root_dir, "wiring.json").write_text(json.dumps(seen))
 

@@ -11,9 +11,8 @@ import torch
 from tests.helpers.optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
 from tests.helpers.optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
 from tests.helpers.optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
-from tests.helpers.optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
+from tests.helpers.optimizer_checks import step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
 from plugins.lamb import LAMB, replace_optimizer
-from tests.helpers.probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
 from runner.strategies.lamb import LambConfig
@@ -165,25 +164,6 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     """, tmp_path)
     assert [r["optimizer"] for r in ranks] == ["LAMB", "LAMB"]
     assert {s["step"].item() for s in ranks[0]["state"]["state"].values()} == {20.0}
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-WIRING = [WiringCase({"lamb_weight_decay": Knob(0.02, group_key("lamb_weight_decay")),
-                      "exclude_from_weight_decay": Knob(["bias"], excludes("bias"), True),
-                      "always_adapt": Knob(True, group_key("always_adapt"))},
-                     ["model=gpt", "data=language_model"])]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = ["model=gpt", "data=language_model"]  # LAMB replaces Adam-family optimizers: the GPT's AdamW
-
-
-def row_effect(ranks):
-    assert {state["optimizer"] for rank in ranks for state in rank["states"]} == {"LAMB"}
 
 
 # --------------------------------------------------------------------------- against Paddle 3.3.1
