@@ -32,12 +32,11 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # runner/ and bench/ when lightfleet is not installed
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # runner/, bench/ and tests/ when lightfleet is not installed
 from bench.spawning import machine  # noqa: E402
-from data_files import image_folder  # noqa: E402
 from runner.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageFolderData  # noqa: E402
 from runner.data.tokens import TokenFileData  # noqa: E402
+from tests.helpers.data_files import image_folder  # noqa: E402
 
 IMAGE_SIZE, IMAGES_PER_CLASS, IMAGE_BATCH, WORKERS = 56, 512, 32, 1  # an epoch of 32 batches
 SEQ_LEN, TOKEN_BATCH, TOKEN_BATCHES = 256, 12, 400

@@ -10,11 +10,10 @@ from typing import Callable
 
 import pytest
 
-import data_files
+from tests.helpers import data_files
+from tests.helpers.commands import command_env
 from runner.config.compose import compose_config
 from runner.config.checks import RunSpec, validate
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,12 +45,7 @@ def spec_for() -> Callable[..., RunSpec]:
 
 def run_command(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """The real command in a fresh process, from `cwd`, with stdout and stderr apart."""
-    # tests/ and tests/plugins importable by every rank: the probes (tests/probe.py) and what they read.
-    paths = [str(PROJECT_ROOT / "tests"), str(PROJECT_ROOT / "tests" / "plugins"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
-        env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=command_env(PYTHONUNBUFFERED="1"),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -71,5 +65,5 @@ def lightfleet_in() -> Callable[..., subprocess.CompletedProcess]:
 
 @pytest.fixture(scope="session")
 def field_files(tmp_path_factory) -> Path:
-    """The files the field's models train on (tests/data_files.py:field_files), made once per test process."""
+    """The files the field's models train on (tests/helpers/data_files.py:field_files), made once per test process."""
     return data_files.field_files(tmp_path_factory.mktemp("field_files"))

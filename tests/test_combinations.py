@@ -1,11 +1,11 @@
 """Every allowed row of conf/compat.yaml trains for real in 2 processes (gloo on CPU; pipeline with
 sharding in 4: 2 pipeline replicas of 2 stages), with each member's knobs set so that it acts;
 each member shows the effect it is known for, and a resume from the middle of the run ends bit for
-bit where the run ended (tests/test_resume.py).
+bit where the run ended (tests/helpers/resume.py).
 
 Rows come from the table itself, so a row cannot be added without being trained here. What a
-strategy sets to act in a row (`ROW`) and the effect it must show (`row_effect`, over every
-rank's record from tests/probe.py:Effects) come from its test module, tests/plugins/test_<name>.py.
+strategy sets to act in a row (`row`) and the effect it must show (`row_effect`, over every
+rank's record from tests/helpers/probe.py:Effects) are declared in tests/helpers/strategies.py.
 
 The field's models train in rows too: torchvision's ResNet-18 on a folder of PNGs and
 transformers' GPT-2 (shrunk) on token files, each in rows of the table that hold every strategy
@@ -18,10 +18,10 @@ import pytest
 import torch
 import yaml
 
-from data_files import gpt2_on_tokens, resnet_on_images
-from probe import strategy_tests
+from tests.helpers.data_files import gpt2_on_tokens, resnet_on_images
 from runner.config.compat import load_table
-from test_resume import checkpoint_overrides, resumes_exactly
+from tests.helpers.resume import checkpoint_overrides, resumes_exactly
+from tests.helpers.strategies import STRATEGIES
 
 pytestmark = pytest.mark.slow  # every test here trains in processes of its own
 
@@ -34,8 +34,8 @@ PIPELINE_SHARDING = ["trainer.devices=4", "strategy.sharding.stage=1", "strategy
 def overrides(row: list) -> list:
     """The processes and the per-strategy settings a row trains with."""
     if {"pipeline", "sharding"} <= set(row):
-        return PIPELINE_SHARDING + [o for name in row if name != "sharding" for o in strategy_tests(name).ROW]
-    return ["trainer.devices=2"] + [override for name in row for override in strategy_tests(name).ROW]
+        return PIPELINE_SHARDING + [o for name in row if name != "sharding" for o in STRATEGIES[name].row]
+    return ["trainer.devices=2"] + [override for name in row for override in STRATEGIES[name].row]
 
 
 def trains_and_acts(lightfleet, tmp_path, row: list, extra: list, steps: int, *more: str, fall: float = 0.1) -> None:
@@ -45,7 +45,8 @@ def trains_and_acts(lightfleet, tmp_path, row: list, extra: list, steps: int, *m
     devices = int(next(o for o in extra if o.startswith("trainer.devices=")).partition("=")[2])
     done = lightfleet(f"strategy=[{','.join(row)}]", "paths.output_dir=run", *extra,
                       f"trainer.max_steps={steps}", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-                      "trainer.enable_model_summary=false", "+callbacks.effects._target_=probe.Effects", *more)
+                      "trainer.enable_model_summary=false", "+callbacks.effects._target_=tests.helpers.probe.Effects",
+                      *more)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     assert sorted(yaml.safe_load((run / "plan.yaml").read_text())["strategies"]) == row
@@ -56,7 +57,7 @@ def trains_and_acts(lightfleet, tmp_path, row: list, extra: list, steps: int, *m
     assert last < (1 - fall) * first, f"loss did not fall by {fall:.0%}: {first:.3f} -> {last:.3f}"
     ranks = [torch.load(run / f"effects.rank{rank}.pt", weights_only=False) for rank in range(devices)]
     for name in row:
-        strategy_tests(name).row_effect(ranks)
+        STRATEGIES[name].row_effect(ranks)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=["+".join(row) for row in ROWS])
@@ -68,7 +69,7 @@ def test_allowed_row_trains_every_member_acts_and_resumes_bit_for_bit(row, light
 # Rows of the table that hold every strategy of it between them, for the field's models.
 FIELD_ROWS = [["amp", "recompute", "sharding"], ["amp", "pipeline", "recompute"], ["adaptive_localsgd", "amp"],
               ["amp", "localsgd"], ["dgc", "recompute"], ["fp16_allreduce", "lars"], ["gradient_merge", "lamb"]]
-# What each model needs besides a member's ROW (a ROW's own model and data give way to the field's):
+# What each model needs besides a member's `row` (a `row`'s own model and data give way to the field's):
 # LARS and DGC take a momentum SGD and LAMB an Adam; pipeline stages cannot share GPT-2's tied head
 # and token embedding; a CPU computes convolutions in float16 some 20 times slower than in bfloat16.
 GPT2_MOMENTUM_SGD = ["model.optimizer._target_=torch.optim.SGD", "~model.optimizer.betas", "+model.optimizer.momentum=0.9"]
@@ -97,7 +98,7 @@ def test_the_field_rows_are_rows_of_the_table_and_hold_every_strategy():
 @pytest.mark.parametrize("row", FIELD_ROWS, ids=["+".join(row) for row in FIELD_ROWS])
 def test_the_fields_models_train_in_rows_holding_every_strategy(row, model, field_files, lightfleet, tmp_path):
     make, needs = FIELD_MODELS[model]
-    settings = [o for name in row for o in strategy_tests(name).ROW + needs.get(name, [])
+    settings = [o for name in row for o in STRATEGIES[name].row + needs.get(name, [])
                 if not o.startswith(("model=", "data="))]
     trains_and_acts(lightfleet, tmp_path, row, make(field_files, "trainer.devices=2", *settings, "trainer.limit_val_batches=0"), FIELD_STEPS,
                     fall=0.02)

@@ -8,42 +8,13 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
-import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 import yaml
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ONE_GPU = ("trainer.accelerator=gpu", "trainer.devices=1", "trainer.max_steps=20", "trainer.enable_progress_bar=false",
-           "paths.output_dir=run", "+callbacks.probe._target_=test_gpu.CudaProbe")
-
-
-class CudaProbe(pl.Callback):
-    """What rank 0 trained with, written into probe.json in the run directory at the end."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.dtypes, self.channels_last = set(), set()
-        first = next(module for module in pl_module.modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)))
-        first.register_forward_hook(lambda module, args, output: self.dtypes.add(str(output.dtype)))
-        first.register_forward_hook(lambda module, args, output: self.channels_last.add(
-            args[0].dim() == 4 and args[0].is_contiguous(memory_format=torch.channels_last)))
-        loader = trainer.fit_loop._combined_loader.flattened[0]
-        self.loader = {"pin_memory": loader.pin_memory, "num_workers": loader.num_workers}
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_rank:
-            return
-        device = trainer.strategy.root_device
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        seen: Dict[str, Any] = {
-            "device": str(device), "backend": dist.get_backend() if dist.is_initialized() else None,
-            "forward_dtypes": sorted(self.dtypes), "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "channels_last_inputs": sorted(self.channels_last), "loader": self.loader,
-            "memory_fraction": torch.cuda.get_per_process_memory_fraction(device),
-            "scaler": [cls.__module__ + "." + cls.__name__ for cls in type(scaler).__mro__] if scaler else [],
-            "scale": float(scaler.get_scale()) if scaler else None}
-        Path(trainer.default_root_dir, "probe.json").write_text(json.dumps(seen))
+           "paths.output_dir=run", "+callbacks.probe._target_=tests.helpers.probe.CudaProbe")
 
 
 def trained(lightfleet, tmp_path: Path, *overrides: str) -> Dict[str, Any]:
@@ -107,19 +78,20 @@ def test_a_convolution_run_takes_the_data_path_of_a_plain_loop(lightfleet, tmp_p
 
 def test_no_micro_batch_synchronises_the_device_only_logging_steps_do(lightfleet, tmp_path):
     # CUDA's own sync debug mode besides the aten ops (tests/test_runs.py counts those on a CPU).
-    from probe import reads_off_logging_steps
+    from tests.helpers.probe import reads_off_logging_steps
 
     k, every = 4, 5
     with_bar = [override for override in ONE_GPU if not override.startswith("trainer.enable_progress_bar")]
     done = lightfleet(*with_bar, "model=gpt", "data=language_model", "strategy=[amp,gradient_merge]",
                       "strategy.amp.dtype=bfloat16", f"strategy.gradient_merge.k_steps={k}",
-                      f"trainer.log_every_n_steps={every}", "+callbacks.syncs._target_=probe.SynchronisingCalls")
+                      f"trainer.log_every_n_steps={every}",
+                      "+callbacks.syncs._target_=tests.helpers.probe.SynchronisingCalls")
     assert done.returncode == 0, done.stderr[-3000:]
     windows = json.loads((tmp_path / "run" / "syncs.json").read_text())
     assert reads_off_logging_steps(windows, k, every) == {}
 
 
-FAST_PATH_PROBE = "+callbacks.fast_path._target_=test_fast_path.FastPathProbe"
+FAST_PATH_PROBE = "+callbacks.fast_path._target_=tests.helpers.probe.FastPathProbe"
 BF16_GPT = ("model=gpt", "data=language_model", "strategy=[amp]", "strategy.amp.dtype=bfloat16")
 
 

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from runner.rank.parent import INTERRUPTED, PREEMPTED
-from test_preemption import REACHED, rank_pids, start, wait_for, wait_gone
+from tests.helpers.preemption import REACHED, rank_pids, start, wait_for, wait_gone
 
 pytestmark = pytest.mark.slow  # every test here trains in processes of its own
 

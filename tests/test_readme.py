@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from data_files import bpe_tokenizer, documents, image_folder
-from test_hydra_app import USER_MODEL
+from tests.helpers.data_files import bpe_tokenizer, documents, image_folder
+from tests.helpers.user_code import USER_MODEL
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SHORT = ["trainer.max_steps=2", "trainer.enable_progress_bar=false"]

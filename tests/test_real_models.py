@@ -1,6 +1,6 @@
 """The field's models on files, through the real command: torchvision's ResNet on an ImageFolder of
 generated PNGs, and transformers' GPT-2 and Llama (shrunk) on nanoGPT token files made with
-numpy (tests/data_files.py:field_files); alone, and Llama with tensor parallel (the strategies of
+numpy (tests/helpers/data_files.py:field_files); alone, and Llama with tensor parallel (the strategies of
 the table train these models in tests/test_combinations.py); a resume from the middle of an epoch
 that ends bit for bit where the run ended, for each data of files; the reference experiments."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from data_files import gpt2_on_text, gpt2_on_tokens, resnet_on_images
-from test_resume import checkpoint_overrides, resumes_exactly
+from tests.helpers.data_files import gpt2_on_text, gpt2_on_tokens, resnet_on_images
+from tests.helpers.resume import checkpoint_overrides, resumes_exactly
 
 pytestmark = pytest.mark.slow  # every test here trains in processes of its own
 

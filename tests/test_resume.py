@@ -2,63 +2,21 @@
 original run, and every rank ends with the parameters and optimizer state of the uninterrupted
 run, bit for bit, with the same losses logged at the same steps.
 
-`resumes_exactly` is the check; tests/test_combinations.py applies it to every allowed row of
-conf/compat.yaml. Here: fp16_allreduce (in no row), plain data parallelism and a single process,
+`resumes_exactly` (tests/helpers/resume.py) is the check; tests/test_combinations.py applies it to
+every allowed row of conf/compat.yaml. Here: fp16_allreduce (in no row), plain data parallelism and a single process,
 resumed mid-epoch and at an epoch's last batch, and a user's own model (nested blocks, batch norm,
 dropout) and data module brought through --config-dir."""
 from __future__ import annotations
 
-import csv
 import textwrap
-from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
-from test_hydra_app import USER_MODEL
+from tests.helpers.resume import checkpoint_overrides, resumes_exactly
+from tests.helpers.user_code import USER_MODEL
 
 pytestmark = pytest.mark.slow  # every test here trains in processes of its own
-
-
-# What the uninterrupted run adds: every rank's final state, and a checkpoint every `step` steps.
-def checkpoint_overrides(step: int) -> list:
-    return ["+callbacks.final._target_=probe.FinalState", f"+callbacks.model_checkpoint.every_n_train_steps={step}",
-            "+callbacks.model_checkpoint.save_top_k=-1"]
-
-
-def losses(run: Path) -> dict:
-    rows = csv.DictReader((run / "csv" / "metrics.csv").open())
-    return {int(r["step"]): r["train_loss"] for r in rows if r["train_loss"]}
-
-
-def resumes_exactly(lightfleet: Callable, tmp_path: Path, full: str, step: int) -> None:
-    """Resume run directory `full` (made with `checkpoint_overrides(step)`) from its checkpoint at
-    `step` and compare the end of both runs."""
-    (middle,) = (tmp_path / full / "checkpoints").glob(f"*-step={step}.ckpt")
-    resumed = lightfleet("resume", full, f"ckpt_path='{middle}'", "paths.output_dir=resumed")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_end(tmp_path / full, tmp_path / "resumed", step)
-
-
-def assert_same_end(full: Path, resumed: Path, step: int) -> None:
-    """Every rank of run `resumed` (resumed at `step`) ended exactly as run `full`, which was never
-    interrupted, and logged the same losses from `step` on."""
-    ranks = sorted(path.name for path in full.glob("final.rank*.pt"))
-    assert ranks and ranks == sorted(path.name for path in resumed.glob("final.rank*.pt"))
-    for name in ranks:
-        expected, got = (torch.load(run / name, weights_only=False) for run in (full, resumed))
-        assert got["global_step"] == expected["global_step"] > step
-        assert got["parameters"].keys() == expected["parameters"].keys()
-        for key, value in expected["parameters"].items():
-            assert torch.equal(got["parameters"][key], value), f"{name}: {key} differs after resume"
-        assert len(got["optimizer"]) == len(expected["optimizer"])
-        for mine, reference in zip(got["optimizer"], expected["optimizer"]):
-            for key, value in reference.items():
-                same = torch.equal(mine[key], value) if isinstance(value, torch.Tensor) else mine[key] == value
-                assert same, f"{name}: optimizer state {key} differs after resume"
-    assert losses(resumed) == {logged: loss for logged, loss in losses(full).items() if logged >= step}
-
 
 # 512 samples, 64 a batch: 4 batches an epoch on each of 2 replicas (8 alone), so step 10 is in
 # the middle of an epoch and step 8 ends one (Lightning then resumes at the next epoch).
@@ -73,8 +31,8 @@ CASES = {
     "user_model_and_data": (["--config-dir", "user", "model=user_net", "data=user_data", "trainer.devices=1"], 10),
 }
 
-# A user's code, written in the tests so that nothing of lightfleet's is in it: test_hydra_app's
-# model (nested blocks, batch norm) with dropout in its blocks and an input noise drawn from
+# A user's code, written in the tests so that nothing of lightfleet's is in it: USER_MODEL
+# (tests/helpers/user_code.py: nested blocks, batch norm) with dropout in its blocks and an input noise drawn from
 # numpy's and Python's generators, and a data module of the user's.
 BLOCK_BODY = "nn.BatchNorm1d(width), nn.ReLU())"
 STEP_BODY = "x, y = batch\n        loss = "

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import pytorch_lightning as pl
 import yaml
 
-from probe import reads_off_logging_steps
+from tests.helpers.probe import reads_off_logging_steps
 from runner.core.paths import EXPERIMENTS_DIR
 
 pytestmark = pytest.mark.slow  # every test here trains in processes of its own
@@ -90,18 +89,7 @@ def test_sweep_of_two_combinations_in_two_processes_skips_refused_jobs(lightflee
     assert "| lamb+lars | refused:" in done.stdout
 
 
-class FailingStep(pl.Callback):
-    """The user's code failing mid-run, in a rank: what the command cannot foresee."""
-
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
-        if trainer.global_step == self.at_step:
-            raise RuntimeError(f"the user's callback failed at step {self.at_step}")
-
-
-FAILING = ("+callbacks.fail._target_=test_runs.FailingStep", "+callbacks.fail.at_step=2")
+FAILING = ("+callbacks.fail._target_=tests.helpers.probe.FailingStep", "+callbacks.fail.at_step=2")
 FAILED = "RuntimeError: the user's callback failed at step 2"
 
 
@@ -337,8 +325,8 @@ def test_no_micro_batch_reads_a_value_off_the_device_only_logging_steps_do(light
     # logger that did (an .item() of the loss) would make the host wait for the device every time.
     k, every = 4, 3
     done = lightfleet("strategy=[gradient_merge]", f"strategy.gradient_merge.k_steps={k}", "trainer.max_steps=7",
-                      f"trainer.log_every_n_steps={every}", "+callbacks.syncs._target_=probe.SynchronisingCalls",
-                      "paths.output_dir=run")
+                      f"trainer.log_every_n_steps={every}",
+                      "+callbacks.syncs._target_=tests.helpers.probe.SynchronisingCalls", "paths.output_dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "train_loss=" in done.stdout  # the bar still shows the loss (read at logging steps)
     windows = json.loads((tmp_path / "run" / "syncs.json").read_text())  # [step at the batch's start, calls]

@@ -12,9 +12,8 @@ import math
 import pytest
 import torch
 
-from distributed import load_ranks, run_two_ranks
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.adaptive_localsgd import AdaptiveModelAveraging, next_k_steps
-from probe import Knob, WiringCase
 
 BEGIN_STEP = 2
 MAX_STEPS = 60
@@ -27,7 +26,7 @@ SCRIPT = """
 import pytorch_lightning as pl
 import torch
 
-from distributed import AllReduceSpy, Record, fit, save
+from tests.helpers.distributed import AllReduceSpy, Record, fit, save
 from plugins.adaptive_localsgd import AdaptiveModelAveraging
 from plugins.localsgd import build_hook
 from runner.models import MLPClassifier
@@ -193,33 +192,3 @@ def test_state_round_trips_through_a_checkpoint():
     restored.load_state_dict(averaging.state_dict())
     assert restored.state_dict() == averaging.state_dict() == {
         "syncs": 7, "k_steps": 9, "loss0": 1.25, "lr0": 0.1, "next_average_step": 42}
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-def adaptive_averaging(trainer):
-    return next(c for c in trainer.callbacks if isinstance(c, AdaptiveModelAveraging))
-
-
-WIRING = [WiringCase({
-    "init_k_steps": Knob(3, lambda trainer, model: adaptive_averaging(trainer).init_k_steps),
-    "begin_step": Knob(2, lambda trainer, model: [trainer.strategy.comm_hook_state.start_localSGD_iter,
-                                                  adaptive_averaging(trainer).begin_step], [2, 2]),
-}, ["trainer.devices=2"])]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = ["strategy.adaptive_localsgd.init_k_steps=3"]
-
-
-def row_effect(ranks):
-    """The ranks drift apart between averagings and hold the same parameters right after one."""
-    syncs = [state["metrics"].get("localsgd_syncs", 0.0) for state in ranks[0]["states"]]
-    averaged = [i for i in range(1, len(syncs)) if syncs[i] > syncs[i - 1]]
-    assert averaged, "no averaging"
-    for i in range(2, len(syncs)):
-        same = len({rank["states"][i]["checksum"] for rank in ranks}) == 1
-        assert same == (i in averaged), (i, averaged)

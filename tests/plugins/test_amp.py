@@ -14,9 +14,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from paddle_reference import run_paddle
+from tests.helpers.paddle_reference import run_paddle
 from plugins.amp import FleetGradScaler, apply_precision_lists, build_precision
-from probe import Knob, WiringCase
 from plugins.transforms import ModelContext
 from runner.data import SyntheticClassificationData
 from runner.core.errors import ConfigError
@@ -395,7 +394,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from distributed import save
+from tests.helpers.distributed import save
 from plugins.amp import build_precision
 from plugins.ddp import build_ddp
 from runner.data import SyntheticClassificationData
@@ -436,7 +435,7 @@ save("amp", {"scales": recorder.scales, "updated": recorder.updated,
 
 @pytest.mark.slow
 def test_an_overflow_on_one_rank_makes_every_rank_skip_and_back_off(tmp_path):
-    from distributed import load_ranks, run_two_ranks
+    from tests.helpers.distributed import load_ranks, run_two_ranks
 
     run_two_ranks(TWO_RANKS_SCRIPT, tmp_path)
     ranks = load_ranks(tmp_path, "amp")
@@ -444,50 +443,3 @@ def test_an_overflow_on_one_rank_makes_every_rank_skip_and_back_off(tmp_path):
         assert rank["updated"] == [True, True, False, True]
         assert rank["scales"] == [8.0, 8.0, 4.0, 4.0]
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True))
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-def forced(dtype: torch.dtype):
-    """Reader: the modules whose forward the precision lists replaced and which compute in `dtype`
-    under bfloat16 autocast (a white-listed LayerNorm in bfloat16, a black-listed Linear in float32)."""
-    def read(trainer, model):
-        names = []
-        for name, module in model.named_modules():
-            if "forward" in vars(module):
-                width = module.in_features if isinstance(module, torch.nn.Linear) else module.normalized_shape[0]
-                with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-                    if module(torch.randn(2, width)).dtype == dtype:
-                        names.append(name)
-        return names
-    return read
-
-
-def scaler_state(key: str):
-    return lambda trainer, model: trainer.precision_plugin.scaler.state_dict()[key]
-
-
-WIRING = [
-    WiringCase({"init_loss_scaling": Knob(1024.0, lambda trainer, model: trainer.precision_plugin.scaler._init_scale),
-                "use_dynamic_loss_scaling": Knob(False, scaler_state("use_dynamic_loss_scaling")),
-                "incr_every_n_steps": Knob(500, scaler_state("growth_interval")),
-                "decr_every_n_nan_or_inf": Knob(3, scaler_state("decr_every_n_nan_or_inf")),
-                "incr_ratio": Knob(4.0, scaler_state("growth_factor")),
-                "decr_ratio": Knob(0.25, scaler_state("backoff_factor"))}),
-    WiringCase({"dtype": Knob("bfloat16", lambda trainer, model: trainer.precision_plugin.precision, "bf16-mixed"),
-                "custom_white_list": Knob(["blocks.1.net.0"], forced(torch.bfloat16)),
-                "custom_black_list": Knob(["head.1"], forced(torch.float32))}),
-]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = []  # float16 with loss scaling
-
-
-def row_effect(ranks):
-    """Layers compute in half precision on every rank."""
-    for rank in ranks:
-        assert any({"torch.float16", "torch.bfloat16"} & batch["dtypes"] for batch in rank["batches"])

@@ -8,18 +8,16 @@ import csv
 import dataclasses
 import shutil
 import textwrap
-from pathlib import Path
 
 import pytest
-import yaml
 
-from probe import Knob, WiringCase
 from runner.config.compat import load_table
 from runner.core.contribution import Facts, Memory
 from runner.strategies import schemas
 from runner.core.errors import ConfigError
 from runner.records.files import AGAIN
 from runner.strategies.auto import AutoConfig, candidates, contenders, estimate, fits, memory_text, rules, verdict
+from tests.helpers.strategies import candidate_rows, read
 
 ROWS = load_table().allowed
 NUMERICS = {name for name, schema in schemas().items() if schema.changes_numerics}
@@ -168,15 +166,6 @@ def test_sharding_estimate_follows_zero_formulas(stage):
     assert Memory.of(run).total == 16 * p
 
 
-def read(path: Path):
-    return yaml.safe_load(path.read_text())
-
-
-def candidate_rows(run: Path) -> list:
-    with open(run / "auto" / "candidates.csv") as table:
-        return list(csv.DictReader(table))
-
-
 @pytest.mark.slow
 def test_search_in_two_processes_chooses_measured_and_best_yaml_reruns(lightfleet, tmp_path):
     done = lightfleet("strategy=[auto]", "model=gpt", "data=language_model", "trainer.devices=2",
@@ -320,26 +309,6 @@ def test_a_failing_candidate_does_not_end_the_search(lightfleet, tmp_path):
                         "amp(dtype=bfloat16)+recompute": "out_of_memory"}
     assert read(tmp_path / "run" / "auto" / "choice.yaml")["chosen"] in ("none", "recompute")
     assert read(tmp_path / "run" / "results.yaml")["global_step"] == 3
-
-
-def trials(run: Path) -> list:
-    return sorted((run / "auto" / "trials").iterdir()) if (run / "auto" / "trials").exists() else []
-
-
-# Every knob read off what auto did, from the run directory (tests/test_wiring.py).
-WIRING = [
-    WiringCase({"mode": Knob("rules", lambda run: "search" if trials(run) else "rules"),
-                "allow_numerics_change": Knob(True, lambda run: any(row["strategies"].startswith("lars")
-                                                                    for row in candidate_rows(run))),
-                "device_memory_gb": Knob(0.5, lambda run: read(run / "auto" / "choice.yaml")["facts"]
-                                         ["device_memory_bytes"] / GIB)}, from_run_dir=True),
-    WiringCase({"trial_steps": Knob(3, lambda run: read(trials(run)[0] / "config.yaml")["trainer"]["max_steps"]),
-                "max_trials": Knob(2, lambda run: len([t for t in trials(run) if not t.name.endswith(AGAIN)])),
-                "search_only": Knob(True, lambda run: not (run / "results.yaml").exists()
-                                    and (run / "auto" / "experiment" / "best.yaml").is_file())}, from_run_dir=True),
-    # A budget spent at once: the first trial starts, no other.
-    WiringCase({"budget_s": Knob(0.001, lambda run: len(trials(run)), expected=1)}, from_run_dir=True),
-]
 
 
 def test_the_facts_count_the_activations_one_batch_saves():

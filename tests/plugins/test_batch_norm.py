@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
-import pytorch_lightning as pl
 import torch
 import yaml
 
@@ -103,28 +102,12 @@ USER_CONFIGS = {"model/conv_net.yaml": "_target_: bn_user.ConvNet\n",
 # training left.
 QUICK = ("trainer.devices=2", "trainer.max_steps=4", "data.num_train=256", "data.num_val=128",
          "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-         "trainer.enable_model_summary=false", "+callbacks.running_stats._target_=test_batch_norm.RunningStats")
+         "trainer.enable_model_summary=false", "+callbacks.running_stats._target_=tests.helpers.probe.RunningStats")
 DTYPES = ("float16", "bfloat16")
 # After 4 steps, the running statistics of an amp run against the float32 run's: the inputs of
 # batch norm differ by the half formats' rounding (2^-11 float16, 2^-8 bfloat16, relative) carried
 # through a few layers and steps.
 TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
-
-
-def floating_buffers(pl_module: pl.LightningModule) -> Dict[str, torch.Tensor]:
-    return {name: b.detach().clone() for name, b in pl_module.named_buffers() if b.is_floating_point()}
-
-
-class RunningStats(pl.Callback):
-    """Each rank saves, as running_stats.rank<r>.pt in the run directory, its floating buffers when
-    training starts and when it ends."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.start = floating_buffers(pl_module)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        torch.save({"start": self.start, "end": floating_buffers(pl_module)},
-                   Path(trainer.default_root_dir) / f"running_stats.rank{trainer.global_rank}.pt")
 
 
 @pytest.fixture

@@ -1,13 +1,12 @@
 """collective.*: each Fleet knob reaches the PyTorch mechanism that carries it out, seen from inside
 real `lightfleet` runs (CPU, gloo, 2 processes where distributed) by `CollectiveProbe`, a callback
-put in from the command line; knobs this device cannot apply give one info line; a bad value, or
+(tests/helpers/probe.py) put in from the command line; knobs this device cannot apply give one info line; a bad value, or
 one against a trainer argument, is exit 2 with nothing made; a Fleet file's collective fields
 import as collective.* and train. tests/runner/test_plan.py checks what the knobs add to the plan;
 the op-fusion flags' compile is the fast path's (tests/plugins/test_fast_path.py runs it)."""
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Any, Dict
@@ -16,34 +15,14 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from runner.core.errors import ConfigError
+from tests.helpers.probe import HANG_STARTED
 
 STEPS = ["trainer.max_steps=3", "trainer.enable_progress_bar=false", "paths.output_dir=run"]
-PROBE = "+callbacks.probe._target_=test_collective.CollectiveProbe"
+PROBE = "+callbacks.probe._target_=tests.helpers.probe.CollectiveProbe"
 TWO_RANKS = "trainer.devices=2"
 BIG_MLP = "model.hidden_dim=512"  # about 6 MB of gradients: several 1 MB buckets
-
-
-class CollectiveProbe(pl.Callback):
-    """At the end of training (DDP has rebuilt its buckets by then), each rank writes what it
-    sees into probe.rank<r>.json in the run directory."""
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        seen: Dict[str, Any] = {
-            "threads": torch.get_num_threads(),
-            "sync_batch_norm": any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()),
-            "foreach": trainer.optimizers[0].param_groups[0].get("foreach"),
-        }
-        ddp = trainer.strategy.model
-        if isinstance(ddp, DistributedDataParallel):
-            logged = ddp._get_ddp_logging_data()
-            # After the first step DDP rebuilds its buckets in gradient order, by bucket_cap_mb; each
-            # step then hands every bucket to the allreduce (num_buckets_reduced).
-            seen.update(bucket_cap_bytes=ddp.bucket_bytes_cap, find_unused_parameters=ddp.find_unused_parameters,
-                        buckets=logged["num_buckets_reduced"], bucket_sizes=logged.get("rebuilt_bucket_sizes"))
-        Path(trainer.default_root_dir, f"probe.rank{trainer.global_rank}.json").write_text(json.dumps(seen))
 
 
 def probed(lightfleet, tmp_path: Path, *overrides: str, accelerator: str = "cpu") -> Dict[str, Any]:
@@ -147,24 +126,10 @@ def test_hierarchical_allreduce_against_other_degrees_is_one_line(spec_for):
         spec_for(*HIERARCHICAL, "trainer.devices=4", "collective.hierarchical_allreduce_inter_nranks=3")
 
 
-class HangingRank(pl.Callback):
-    """Rank 1 stops answering at step 2, as a rank stuck outside a collective would (and dies
-    at once on SIGTERM, as one stuck in C++ code would not run a Python handler)."""
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
-        if trainer.global_rank == 1 and trainer.global_step == 2:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            Path(trainer.default_root_dir, HANG_STARTED).write_text(str(time.time()))
-            time.sleep(300)
-
-
-HANG_STARTED = "hang_started"  # when rank 1 stopped answering (seconds since the epoch)
-
-
 @pytest.mark.slow
 def test_a_rank_that_hangs_ends_the_run_at_the_timeout_naming_the_other_rank(lightfleet, tmp_path):
     done = lightfleet(*STEPS, TWO_RANKS, "trainer.max_steps=6", "collective.timeout_s=3",
-                      "+callbacks.hang._target_=test_collective.HangingRank")
+                      "+callbacks.hang._target_=tests.helpers.probe.HangingRank")
     # From the hang, not from the command's start: start-up on a busy machine is no hang.
     assert time.time() - float((tmp_path / "run" / HANG_STARTED).read_text()) < 45
     assert done.returncode == 1 and "Traceback" not in done.stderr

@@ -17,12 +17,11 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from distributed import load_ranks, run_two_ranks
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.ddp import build_ddp
 from plugins.dgc import build_hook, replace_optimizer
 from plugins.dgc_compression import message_bytes, sparsity_at, top_k
 from plugins.dgc_state import DGCState
-from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
 from runner.strategies.dgc import DGCConfig
@@ -44,7 +43,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from distributed import AllGatherSpy, AllReduceSpy, save
+from tests.helpers.distributed import AllGatherSpy, AllReduceSpy, save
 from plugins.ddp import FleetDDPStrategy
 from plugins.dgc import DGCCheckpoint, build_hook, replace_optimizer
 from runner.rank.resume import EpochEndPosition
@@ -463,31 +462,3 @@ def test_resume_restores_residuals_and_momentum(runs):
         for name, entry in full["final"]["buffers"].items():
             assert torch.equal(resumed["final"]["buffers"][name]["residual"], entry["residual"]), name
             assert torch.equal(resumed["final"]["buffers"][name]["momentum"], entry["momentum"]), name
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-def hook_state(key: str):
-    return lambda trainer, model: getattr(trainer.strategy.comm_hook_state, key)
-
-
-WIRING = [WiringCase({"rampup_begin_step": Knob(1, hook_state("rampup_begin_step")),
-                      "rampup_step": Knob(2, hook_state("rampup_step")),
-                      "sparsity": Knob([0.5, 0.9], hook_state("sparsity"))}, ["trainer.devices=2"])]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = []  # sparsity 0.999 from the first step
-
-
-def row_effect(ranks):
-    """What each rank hands to all_gather is under 5% of its dense gradient, and no gradient is all-reduced."""
-    for rank in ranks:
-        dense = 4 * rank["static"]["numel"]
-        for batch in rank["batches"]:
-            gathered = sum(size for op, _, size in batch["collectives"] if op == "all_gather")
-            assert 0 < gathered < 0.05 * dense, (gathered, dense)
-            assert all(size < 0.05 * dense for op, _, size in batch["collectives"] if op == "all_reduce")

@@ -12,7 +12,6 @@ import json
 import math
 import subprocess
 import sys
-from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List
@@ -21,10 +20,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from omegaconf import OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from optimizer_checks import ReplacedOptimizerMLP
+from tests.helpers.optimizer_checks import ReplacedOptimizerMLP
 from plugins.amp import build_precision
 from plugins.fast_path import FUSED_ON_DTENSOR, AttentionKernel, fuse_optimizer
 from plugins.lars import LARS
@@ -35,6 +33,7 @@ from runner.core.errors import ConfigError
 from runner.core.plan import format_plan
 from runner.data import SyntheticLanguageModelData
 from runner.models import GPTDecoder
+from tests.helpers.probe import CountFirstBatch
 
 GPT = ("model=gpt", "data=language_model")
 FLASH_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
@@ -311,36 +310,6 @@ def test_a_momentum_sgd_with_dampening_is_not_fused():
 # --------------------------------------------------------------------------- the attention kernel
 
 
-class AttentionOps(TorchDispatchMode):
-    """Counts the aten ops by name while active: which kernel scaled_dot_product_attention ran."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    def attention(self) -> Dict[str, int]:
-        # The math kernel's softmax; not the loss's log-softmax.
-        return {op: count for op, count in self.ops.items()
-                if "attention" in op or op.startswith(("_safe_softmax", "_softmax"))}
-
-
-class CountFirstBatch(pl.Callback):
-    """The aten ops of the first training batch (forward, recomputation, backward, step)."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == 0:
-            self.counter = AttentionOps()
-            self.counter.__enter__()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx == 0:
-            self.counter.__exit__(None, None, None)
-
-
 @pytest.mark.parametrize("kernel, expected", [
     # Two blocks: each runs the kernel's forward twice (the forward, and recompute's again in
     # backward: checkpoint checks that the saved tensors match) and its backward once.
@@ -362,43 +331,8 @@ def test_the_kernel_runs_in_every_forward_recomputation_and_backward(kernel, exp
 # --------------------------------------------------------------------------- real runs
 
 
-class FastPathProbe(CountFirstBatch):
-    """Each rank writes into fast_path.rank<r>.json what it trained with: whether the model is
-    compiled (and the graphs dynamo made), the optimizer's class and its groups' fused flags, the
-    attention ops of the first training batch (not under compile: dynamo would trace the
-    counting), the losses, and a checksum of its (full) parameters."""
-
-    def __init__(self, count_attention: bool = True) -> None:
-        super().__init__()
-        self.count_attention = count_attention
-        self.counter = AttentionOps()
-        self.losses: List[float] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.count_attention:
-            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.count_attention:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from torch.distributed.tensor import DTensor
-
-        optimizer = trainer.optimizers[0]
-        full = [p.full_tensor() if isinstance(p, DTensor) else p for p in pl_module.parameters()]
-        seen = {"compiled": pl_module._compiled_call_impl is not None, "optimizer": type(optimizer).__name__,
-                "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                "dtensor": any(isinstance(p, DTensor) for p in pl_module.parameters()),
-                "fused": [group.get("fused") for group in optimizer.param_groups],
-                "attention": self.counter.attention(), "losses": self.losses,
-                "checksum": float(sum(p.detach().double().sum() for p in full))}
-        Path(trainer.default_root_dir, f"fast_path.rank{trainer.global_rank}.json").write_text(json.dumps(seen))
-
-
 PROBED = ("trainer.enable_progress_bar=false", "paths.output_dir=run", "trainer.accelerator=cpu",
-          "+callbacks.probe._target_=test_fast_path.FastPathProbe")
+          "+callbacks.probe._target_=tests.helpers.probe.FastPathProbe")
 
 
 def ranks_saw(lightfleet, tmp_path: Path, *overrides: str, ranks: int = 2) -> List[Dict[str, Any]]:

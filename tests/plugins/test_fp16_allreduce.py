@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import load_ranks, run_two_ranks
-from probe import Knob, WiringCase
+from tests.helpers.distributed import load_ranks, run_two_ranks
 
 pytestmark = pytest.mark.slow  # every test here trains in processes of its own
 
@@ -17,7 +16,7 @@ SCRIPT = """
 import pytorch_lightning as pl
 import torch
 
-from distributed import AllReduceSpy, Record, fit, save
+from tests.helpers.distributed import AllReduceSpy, Record, fit, save
 from plugins.fp16_allreduce import build_hook
 
 class Gradients(pl.Callback):
@@ -81,28 +80,3 @@ def test_gradients_are_averaged_in_16_bits_with_half_the_bytes(dtype, run_dir):
         assert [s["all_reduce_calls"] > 0 for s in steps] == [True] * STEPS
         # Everything all-reduced at a step is the 16-bit gradients: half of float32's bytes.
         assert [s["all_reduce_bytes"] / rank["dense_bytes"] for s in steps] == [0.5] * STEPS
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-def wire_dtype(trainer, model):
-    """Reader: the wire type of the communication hook DDP registered (torch's fp16/bf16 compress hooks)."""
-    ((hook, _),) = trainer.strategy.model._comm_hooks
-    return "bfloat16" if "bf16" in hook.__name__ else "float16" if "fp16" in hook.__name__ else hook.__name__
-
-
-WIRING = [WiringCase({"dtype": Knob("bfloat16", wire_dtype)}, ["trainer.devices=2"])]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = []  # float16
-
-
-def row_effect(ranks):
-    """Every all-reduce of a training batch carries float16 (the gradients), on every rank."""
-    for rank in ranks:
-        reduced = [dtype for batch in rank["batches"] for op, dtype, _ in batch["collectives"] if op == "all_reduce"]
-        assert reduced and set(reduced) == {"torch.float16"}, sorted(set(reduced))

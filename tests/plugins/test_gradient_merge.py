@@ -16,9 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from paddle_reference import run_paddle
+from tests.helpers.paddle_reference import run_paddle
 from plugins.gradient_merge import GradientSum
-from probe import Knob, WiringCase
 from runner.core.contribution import RunShape
 from runner.core.world import World
 from runner.models import ClassifierModule, MLPClassifier
@@ -171,7 +170,7 @@ def test_through_the_runner_the_merged_gradient_is_the_big_batch_mean_or_the_sum
                       f"strategy.gradient_merge.avg={str(avg).lower()}", "data.batch_size=8", "trainer.max_steps=1",
                       "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
                       "paths.output_dir=run",
-                      "+callbacks.first_step._target_=probe.FirstStep")
+                      "+callbacks.first_step._target_=tests.helpers.probe.FirstStep")
     assert done.returncode == 0, done.stderr[-3000:]
     record = torch.load(tmp_path / "run" / "first_step.pt", weights_only=False)
     assert len(record["batches"]) == 4
@@ -180,26 +179,3 @@ def test_through_the_runner_the_merged_gradient_is_the_big_batch_mean_or_the_sum
     gradient = big_batch_gradient(model, list(record["initial"].values()), inputs, targets)
     for (name, grad), expected in zip(record["grads"].items(), gradient, strict=True):
         torch.testing.assert_close(grad, (1 if avg else 4) * expected, atol=1e-6, rtol=1e-5, msg=name)
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-WIRING = [WiringCase({
-    "k_steps": Knob(3, lambda trainer, model: trainer.accumulate_grad_batches),
-    # Summing: GradientSum multiplies Lightning's averaged gradient back by k_steps.
-    "avg": Knob(False, lambda trainer, model: not any(isinstance(c, GradientSum) and c.k_steps == 3
-                                                     for c in trainer.callbacks)),
-})]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = ["strategy.gradient_merge.k_steps=2"]
-
-
-def row_effect(ranks):
-    """One optimizer step per two batches."""
-    for rank in ranks:
-        assert [state["global_step"] for state in rank["states"]] == [i // 2 for i in range(len(rank["states"]))]

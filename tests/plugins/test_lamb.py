@@ -1,6 +1,6 @@
 """plugins.lamb: the foreach LAMB against the formula written one tensor at a time, the
 replacement of the user's Adam/AdamW, float16 overflow steps, and a real 2-process DDP run.
-The checks shared with test_lars.py live in optimizer_checks.py."""
+The checks shared with test_lars.py live in tests/helpers/optimizer_checks.py."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -8,12 +8,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
-from optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
-from optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
-from optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
+from tests.helpers.optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
+from tests.helpers.optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
+from tests.helpers.optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
+from tests.helpers.optimizer_checks import step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
 from plugins.lamb import LAMB, replace_optimizer
-from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
 from runner.strategies.lamb import LambConfig
@@ -157,7 +156,7 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
 
         import torch
 
-        from optimizer_checks import fit_ddp_rank
+        from tests.helpers.optimizer_checks import fit_ddp_rank
         from plugins.lamb import replace_optimizer
         from runner.strategies.lamb import LambConfig
 
@@ -166,25 +165,6 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     """, tmp_path)
     assert [r["optimizer"] for r in ranks] == ["LAMB", "LAMB"]
     assert {s["step"].item() for s in ranks[0]["state"]["state"].values()} == {20.0}
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-WIRING = [WiringCase({"lamb_weight_decay": Knob(0.02, group_key("lamb_weight_decay")),
-                      "exclude_from_weight_decay": Knob(["bias"], excludes("bias"), True),
-                      "always_adapt": Knob(True, group_key("always_adapt"))},
-                     ["model=gpt", "data=language_model"])]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = ["model=gpt", "data=language_model"]  # LAMB replaces Adam-family optimizers: the GPT's AdamW
-
-
-def row_effect(ranks):
-    assert {state["optimizer"] for rank in ranks for state in rank["states"]} == {"LAMB"}
 
 
 # --------------------------------------------------------------------------- against Paddle 3.3.1

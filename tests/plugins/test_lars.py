@@ -1,6 +1,6 @@
 """plugins.lars: the foreach LARS against the formula written one tensor at a time, the
 replacement of the user's momentum SGD, float16 overflow steps, and a real 2-process DDP run.
-The checks shared with test_lamb.py live in optimizer_checks.py."""
+The checks shared with test_lamb.py live in tests/helpers/optimizer_checks.py."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -8,12 +8,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
-from optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
-from optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
-from optimizer_checks import excludes, group_key, step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
+from tests.helpers.optimizer_checks import CHUNK_SIZES, IGNORE_UNWRAPPED_STEP, PerTensorReference, ReplacedOptimizerMLP
+from tests.helpers.optimizer_checks import assert_groups_kept, assert_scheduler_follows, assert_state_dict_round_trips
+from tests.helpers.optimizer_checks import blocks_and_rest, fit_float16_with_overflows, recomputed_resnet, run_ddp_fit
+from tests.helpers.optimizer_checks import step_both, steps_equal_paddles, two_group_mlp, two_group_scheduler
 from plugins.lars import LARS, replace_optimizer
-from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import MLPClassifier
 from runner.strategies.lars import LarsConfig
@@ -127,7 +126,7 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     ranks = run_ddp_fit("""
         from dataclasses import asdict
 
-        from optimizer_checks import fit_ddp_rank
+        from tests.helpers.optimizer_checks import fit_ddp_rank
         from plugins.lars import replace_optimizer
         from runner.strategies.lars import LarsConfig
 
@@ -137,25 +136,6 @@ def test_two_process_ddp_trains_and_ranks_agree(tmp_path):
     """, tmp_path)
     assert [r["optimizer"] for r in ranks] == ["LARS", "LARS"]
     assert len(ranks[0]["state"]["state"]) == len(ranks[0]["params"])  # a momentum buffer for every parameter
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-WIRING = [WiringCase({"lars_coeff": Knob(0.002, group_key("lars_coeff")),
-                      "lars_weight_decay": Knob(0.001, group_key("lars_weight_decay")),
-                      "epsilon": Knob(1e-8, group_key("epsilon")),
-                      "exclude_from_weight_decay": Knob(["bias"], excludes("bias"), True)})]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = []  # the MLP's momentum SGD is replaced
-
-
-def row_effect(ranks):
-    assert {state["optimizer"] for rank in ranks for state in rank["states"]} == {"LARS"}
 
 
 # --------------------------------------------------------------------------- against Paddle 3.3.1

@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import load_ranks, run_two_ranks
-from plugins.localsgd import ModelAveraging
-from probe import Knob, WiringCase
+from tests.helpers.distributed import load_ranks, run_two_ranks
 
 BEGIN_STEP = 3
 LOCAL_STEPS = 16  # after begin_step: a multiple of every k below
@@ -16,7 +14,7 @@ K_STEPS = (1, 4)
 LR = 0.1  # plain SGD (fit's default): a local step is exactly params - LR * local gradient
 
 SCRIPT = """
-from distributed import AllReduceSpy, Record, fit, save
+from tests.helpers.distributed import AllReduceSpy, Record, fit, save
 from plugins.localsgd import ModelAveraging, build_hook
 
 spy = AllReduceSpy()
@@ -87,35 +85,3 @@ def test_all_reduce_calls_drop_by_k(run_dir):
     assert calls(k_small, local=False) == calls(k_large, local=False) > 0  # the synchronous steps
     assert calls(k_small, local=True) == LOCAL_STEPS
     assert calls(k_small, local=True) / calls(k_large, local=True) == k_large / k_small
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-def averaging(trainer):
-    return next(c for c in trainer.callbacks if isinstance(c, ModelAveraging))
-
-
-WIRING = [WiringCase({
-    "k_steps": Knob(3, lambda trainer, model: averaging(trainer).averager.period),
-    # Gradients are all-reduced by the hook until begin_step; the averager starts after it.
-    "begin_step": Knob(2, lambda trainer, model: [trainer.strategy.comm_hook_state.start_localSGD_iter,
-                                                  averaging(trainer).averager.warmup_steps], [2, 4]),
-}, ["trainer.devices=2"])]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = ["strategy.localsgd.k_steps=3"]
-
-
-def row_effect(ranks):
-    """After begin_step (1) the ranks drift apart, and meet every 3 steps, at the parameters' mean."""
-    checksums = {}  # steps done -> each rank's parameter checksum then
-    for rank in ranks:
-        for state in rank["states"]:
-            checksums.setdefault(state["global_step"], []).append(state["checksum"])
-    for step, values in checksums.items():
-        if step > 1:
-            assert (len(set(values)) == 1) == ((step - 1) % 3 == 0), (step, values)

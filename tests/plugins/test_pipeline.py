@@ -15,9 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from distributed import load_ranks, run_two_ranks
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.pipeline_split import balanced_cuts, stage_ranks, stage_split_points
-from probe import Knob, WiringCase
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier
 
@@ -41,7 +40,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from bench.pipeline import SavedActivationBytes
-from distributed import save
+from tests.helpers.distributed import save
 from plugins.amp import build_precision
 from plugins.pipeline import build_pipeline, split_stages
 from runner.rank.resume import EpochEndPosition
@@ -538,40 +537,3 @@ def test_resume_with_replicas_and_zero_gives_the_same_losses(dp_runs):
     metadata = FileSystemReader(checkpoint).read_metadata()
     written = sum(path.stat().st_size for path in checkpoint.glob("*.distcp"))
     assert written == sum(info.length for info in metadata.storage_data.values())
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-def schedule_name(trainer, model):
-    return type(trainer.strategy.schedule).__name__.removeprefix("Schedule")
-
-
-def first_block_elsewhere(trainer, model):
-    """Reader: on the first rank, where the next stage begins: its first block holding no parameter here."""
-    held = {name.split(".")[1] for name, _ in model.named_parameters() if name.startswith("blocks.")}
-    return [f"blocks.{next(index for index in range(len(model.blocks)) if str(index) not in held)}"]
-
-
-PIPELINE = ["trainer.devices=2", "model.num_blocks=4"]
-WIRING = [
-    WiringCase({"schedule_mode": Knob("GPipe", schedule_name), "split_points": Knob(["blocks.3"], first_block_elsewhere),
-                "micro_batch_size": Knob(8, lambda trainer, model: trainer.strategy.micro_batch_size),
-                "accumulate_steps": Knob(2, lambda trainer, model: trainer.strategy.schedule._n_microbatches)},
-               PIPELINE + ["data.batch_size=16"]),
-    WiringCase({"schedule_mode": Knob("Interleaved1F1B", schedule_name),
-                "vpp_degree": Knob(2, lambda trainer, model: len(trainer.strategy.stages))}, PIPELINE),
-]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = []
-
-
-def row_effect(ranks):
-    """The ranks of a pipeline (consecutive pairs) hold disjoint, non-empty shares of the parameters."""
-    for first, second in zip(ranks[::2], ranks[1::2]):
-        mine, theirs = set(first["static"]["parameters"]), set(second["static"]["parameters"])
-        assert mine and theirs and not mine & theirs

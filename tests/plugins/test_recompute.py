@@ -2,20 +2,16 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.autograd.graph import saved_tensors_hooks
 
 from plugins.recompute import apply_recompute
 from plugins.transforms import ModelContext
-from probe import Knob, WiringCase
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier, ResNetClassifier
@@ -189,40 +185,3 @@ def test_training_loss_falls(make_model, make_data, enable_offload, tmp_path):
     trainer.fit(model, datamodule=data)
     after = loss()
     assert after < 0.5 * before, (before, after)
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-def wrappers(model):
-    return {name: module for name, module in model.named_modules() if isinstance(module, CheckpointWrapper)}
-
-
-def noted(text: str):
-    """Reader: whether the run's saved plan carries a note containing `text`."""
-    return lambda trainer, model: any(text in note for note in
-                                      yaml.safe_load((Path(trainer.default_root_dir) / "plan.yaml").read_text())["notes"])
-
-
-WIRING = [WiringCase({
-    "checkpoints": Knob(["blocks.1"], lambda trainer, model: sorted(wrappers(model))),
-    "enable_offload": Knob(True, lambda trainer, model: [w.checkpoint_fn.keywords["offload"]
-                                                          for w in wrappers(model).values()] == [True], True),
-    # No effect in PyTorch: the plan says so.
-    "checkpoint_shape": Knob([4, 8], noted("checkpoint_shape has no effect"), True),
-})]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = []  # the model's repeated blocks
-
-
-def row_effect(ranks):
-    """Every wrapped block runs twice per micro-batch: forward, and again in backward."""
-    for rank in ranks:
-        static = rank["static"]
-        assert static["wrapped"] > 0
-        assert {batch["wrapped_forwards"] for batch in rank["batches"]} == {2 * static["wrapped"] *
-                                                                          static["micro_batches"]}

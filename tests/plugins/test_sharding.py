@@ -10,16 +10,15 @@ import sys
 
 import pytest
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from distributed import PROJECT_ROOT, load_ranks, run_two_ranks
+from tests.helpers.commands import PROJECT_ROOT
+from tests.helpers.distributed import load_ranks, run_two_ranks
 from plugins.layerwise import NO_WEIGHT_DECAY
 from plugins.sharding import shard_units
-from probe import Knob, WiringCase
 from runner.models import GPTDecoder, MLPClassifier
+from tests.helpers.strategies import SEGMENT_MB
 
 STEPS, HALF, LAMB_STEPS = 20, 8, 5
-SEGMENT_MB = 0.04  # MLPClassifier: units [stem, blocks.0], [blocks.1, blocks.2], [head]
 EXCLUDED = ["bias", "net.0"]  # LAMB's exclude_from_weight_decay: biases and the blocks' LayerNorms
 
 # One launch, several fits in the same 2 processes (each a new model and Trainer). AdamW, fp32,
@@ -36,7 +35,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from distributed import save
+from tests.helpers.distributed import save
 from plugins.amp import build_precision
 from plugins.lamb import replace_optimizer
 from runner.rank.resume import EpochEndPosition
@@ -415,60 +414,3 @@ def test_tensor_parallel_gpt_under_stage_2_trains_like_one_process(lightfleet, t
 
     assert len(losses("split")) == 8
     assert losses("split") == pytest.approx(losses("whole"), abs=1e-5)
-
-
-# --------------------------------------------------------------------------- wiring (tests/test_wiring.py)
-
-
-def fsdp_units(model):
-    """FSDP2's parameter groups of the units below the root (a unit of several modules has one)."""
-    groups = {id(group): group for module in model.modules() if module is not model
-              and hasattr(module, "_get_fsdp_state") and (group := module._get_fsdp_state()._fsdp_param_group)}
-    return list(groups.values())
-
-
-def zero_stage(trainer, model):
-    """Reader: 1 for ZeRO's optimizer sharding; 2 or 3 for FSDP2, by whether units free their
-    gathered parameters after forward."""
-    if isinstance(trainer.optimizers[0], ZeroRedundancyOptimizer):
-        return 1
-    return 3 if all(unit.post_forward_mesh_info is not None for unit in fsdp_units(model)) else 2
-
-
-def mesh_size(dim: str):
-    return lambda trainer, model: trainer.strategy.device_mesh[dim].size()
-
-
-def tensor_split(trainer, model):
-    """Reader: the tensor-parallel mesh, and how many pieces a query weight is split into."""
-    weight = model.blocks[0].attn.q.weight
-    return [trainer.strategy.device_mesh["tp"].size(), weight.numel() // weight.to_local().numel()]
-
-
-WIRING = [
-    WiringCase({"stage": Knob(3, zero_stage), "degree": Knob(1, mesh_size("dp_shard")),
-                "dp_degree": Knob(2, mesh_size("dp_replicate")),
-                "optimize_offload": Knob(True, lambda trainer, model: sorted({type(unit.offload_policy).__name__
-                                                                               for unit in fsdp_units(model)}),
-                                         ["CPUOffloadPolicy"]),
-                "gradient_merge_acc_step": Knob(2, lambda trainer, model: trainer.accumulate_grad_batches),
-                # MLPClassifier at 0.04 MB: [stem, blocks.0], [blocks.1, blocks.2], [head]
-                "segment_broadcast_MB": Knob(SEGMENT_MB, lambda trainer, model: len(fsdp_units(model)), 3)},
-               ["trainer.devices=2"]),
-    WiringCase({"stage": Knob(2, zero_stage), "mp_degree": Knob(2, tensor_split, [2, 2])},
-               ["trainer.devices=2", "model=gpt", "data=language_model"]),
-    WiringCase({"pp_degree": Knob(2, mesh_size("pp"))}, ["strategy=[pipeline,sharding]", "trainer.devices=4"]),
-]
-
-
-# --------------------------------------------------------------------------- in every combination row (tests/test_combinations.py)
-
-
-ROW = ["strategy.sharding.stage=3"]  # the stage that shards the most; with pipeline, stage 1 (test_combinations.py)
-
-
-def row_effect(ranks):
-    """Each rank holds a share: of the parameters (stage 3) or of the optimizer states (stage 1)."""
-    for rank in ranks:
-        static, last = rank["static"], rank["states"][-1]
-        assert static["numel"] < static["global_numel"] or 0 < last["optimizer_state"] < len(static["parameters"])

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from distributed import load_ranks, run_two_ranks
+from tests.helpers.distributed import load_ranks, run_two_ranks
 
 MESHES = ("1d", "3d")
 STEPS = 3
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from distributed import save
+from tests.helpers.distributed import save
 from plugins.recompute import apply_recompute
 from plugins.tensor_parallel import apply_tensor_parallel
 from plugins.transforms import ModelContext

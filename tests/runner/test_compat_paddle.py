@@ -12,7 +12,7 @@ from typing import Dict, Optional, Set, Tuple
 
 import pytest
 
-from paddle_reference import run_paddle
+from tests.helpers.paddle_reference import run_paddle
 from runner.config.compat import check, load_table
 from runner.core.paths import PROJECT_ROOT
 from runner.core.errors import Refusal

@@ -1,5 +1,5 @@
 """Every built-in data module alike (conf/data/*.yaml, runner/data/), each built from its conf as the
-command composes it, on files made here (tests/data_files.py): evaluation serves the same items at
+command composes it, on files made here (tests/helpers/data_files.py): evaluation serves the same items at
 every pass, in the split's order, through the evaluation transforms; training's random draws are
 each item's own; tokens_per_sample is what a served sample holds, at every length; every knob does
 what it says, each checked on its own. What only one module does: test_models.py (the synthetic
@@ -17,15 +17,15 @@ import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
-from data_files import bpe_tokenizer, decoded_documents, documents, on_device, picture_folder, token_file
-from probe import knobs_of
+from tests.helpers.data_files import bpe_tokenizer, decoded_documents, documents, on_device, picture_folder, token_file
+from tests.helpers.probe import knobs_of
 from runner.config.checks import validate
 from runner.core.paths import CONF_DIR
 from runner.config.compose import compose_config
 from runner.core.errors import ConfigError
 
 CONFS = sorted(path.stem for path in (CONF_DIR / "data").glob("*.yaml"))
-# conf -> the overrides that point it at the files (`files`: tests/data_files.py's field_files)
+# conf -> the overrides that point it at the files (`files`: tests/helpers/data_files.py's field_files)
 DATA = {
     "classification": [], "images": [], "language_model": [],
     "tokens": ["data.train_bin={files}/train.bin", "data.val_bin={files}/val.bin", "data.seq_len=16"],

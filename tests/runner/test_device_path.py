@@ -12,7 +12,7 @@ import torch
 from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data_files import on_device
+from tests.helpers.data_files import on_device
 from runner.data.loading import AUTO_WORKERS
 from runner.models import ResNetClassifier
 from runner.models.vision import VisionClassifier

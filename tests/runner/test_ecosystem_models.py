@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from plugins.modules import repeated_block_list
-from probe import attention_in_plain_matmuls, channels_last_knob, knobs_of, optimizer_knob
+from tests.helpers.probe import attention_in_plain_matmuls, channels_last_knob, knobs_of, optimizer_knob
 from runner.core.paths import CONF_DIR
 from runner.models.causal_lm import CausalLM
 from runner.models.vision import VisionClassifier

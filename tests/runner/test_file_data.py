@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_files import image_folder, token_file
+from tests.helpers.data_files import image_folder, token_file
 from runner.data.tokens import TokenFileData
 
 SEQ_LEN = 8

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from google.protobuf.descriptor import FieldDescriptor
 from omegaconf import OmegaConf
-from paddle_reference import run_paddle
+from tests.helpers.paddle_reference import run_paddle
 
 from runner import strategies
 from runner.core.paths import EXPERIMENTS_DIR

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from data_files import END_OF_TEXT, bpe_tokenizer, decoded_documents, documents, on_device
+from tests.helpers.data_files import END_OF_TEXT, bpe_tokenizer, decoded_documents, documents, on_device
 from runner.data.hf_text import HFTextData
 
 SEQ_LEN = 8

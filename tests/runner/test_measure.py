@@ -14,7 +14,7 @@ import yaml
 from pytorch_lightning.plugins.precision import MixedPrecision
 from torch.utils.flop_counter import FlopCounterMode
 
-from probe import attention_in_plain_matmuls
+from tests.helpers.probe import attention_in_plain_matmuls
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
 from runner.models import GPTDecoder, MLPClassifier
 from runner.rank import measure
@@ -168,7 +168,7 @@ import time
 
 from torch.utils.data import Dataset
 
-from probe import attention_in_plain_matmuls
+from tests.helpers.probe import attention_in_plain_matmuls
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
 
 

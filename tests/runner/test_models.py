@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from probe import attention_in_plain_matmuls, channels_last_knob, knobs_of, optimizer_knob
+from tests.helpers.probe import attention_in_plain_matmuls, channels_last_knob, knobs_of, optimizer_knob
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
 from runner.models import BasicBlock, ClassifierModule, GPTDecoder, MLPClassifier, ResidualMLPBlock, ResNetClassifier
 

@@ -3,7 +3,7 @@ Face datasets into the token files of data=tokens. The files decode back to the 
 followed by the end-of-text token; the dtype fits the vocabulary; meta.yaml says what data=tokens
 needs; the validation documents are a seeded fraction; refusals are one line and leave nothing
 behind; the command imports no torch; the files train. Documents and tokenizers are made here
-(tests/data_files.py)."""
+(tests/helpers/data_files.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from data_files import END_OF_TEXT, bpe_tokenizer, decoded_documents, documents, word_tokenizer
+from tests.helpers.data_files import END_OF_TEXT, bpe_tokenizer, decoded_documents, documents, word_tokenizer
 from runner.data.tokens import TokenFileData
 
 DOCS = documents(20)

@@ -13,8 +13,7 @@
   `fit_float16_with_overflows` (skipped steps leave parameters and state untouched), and
   `run_ddp_fit` with its rank side `fit_ddp_rank` (2 processes: both train, and agree).
 
-pytest imports this module as `optimizer_checks` (tests/plugins is on sys.path: no __init__.py
-here); the 2-process runs import it the same way.
+The 2-process runs import it as the tests do, `tests.helpers.optimizer_checks`.
 """
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from distributed import WORLD_SIZE, run_two_ranks
-from paddle_reference import run_paddle
+from tests.helpers.distributed import WORLD_SIZE, run_two_ranks
+from tests.helpers.paddle_reference import run_paddle
 from plugins.amp import build_precision
 from plugins.recompute import apply_recompute
 from plugins.transforms import ModelContext
@@ -314,22 +313,6 @@ def run_ddp_fit(script: str, tmp_path: Path) -> List[Dict[str, Any]]:
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], **TOL)
     torch.testing.assert_close(ranks[0]["state"]["state"], ranks[1]["state"]["state"], **TOL)
     return ranks
-
-
-# Readers of a run's replaced optimizer, for tests/test_wiring.py.
-
-
-def group_key(key: str):
-    return lambda trainer, model: trainer.optimizers[0].param_groups[0][key]
-
-
-def excludes(pattern: str):
-    """Reader: whether exactly the parameters named with `pattern` are flagged for no weight decay."""
-    def read(trainer, model):
-        names = {id(p): name for name, p in model.named_parameters()}
-        return all(flag == (pattern in names[id(p)]) for group in trainer.optimizers[0].param_groups
-                   for p, flag in zip(group["params"], group["no_weight_decay"]))
-    return read
 
 
 # --------------------------------------------------------------------------- Paddle as the reference

@@ -1,19 +1,16 @@
 """Real 2-process training runs for the communication-strategy tests (gloo on CPU, no mocks).
 
 Test side: `run_two_ranks(script, tmp_path)` writes `script` into tmp_path and runs it under
-`python -m torch.distributed.run --standalone --nproc-per-node 2` (or `nproc`), with this directory importable,
-so the script can `from distributed import ...` the rank side: `fit` (the real Lightning trainer
+`python -m torch.distributed.run --standalone --nproc-per-node 2` (or `nproc`), with the project's root
+importable, so the script can `from tests.helpers.distributed import ...` the rank side: `fit` (the real Lightning trainer
 with `plugins.ddp.build_ddp`), `AllReduceSpy` (counts what reaches `torch.distributed.all_reduce`),
 `AllGatherSpy` (keeps what each rank hands to `torch.distributed.all_gather`) and `Record`
 (per-step parameters, losses, learning rates and collectives of one rank).
 Results come back as one torch.save file per rank: `load_ranks(tmp_path)`.
-
-pytest imports this module as `distributed` (tests/plugins is on sys.path: no __init__.py here).
 """
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import sys
 import textwrap
@@ -27,9 +24,8 @@ import torch.distributed as dist
 from plugins.ddp import build_ddp
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
+from tests.helpers.commands import command_env
 
-HERE = Path(__file__).resolve().parent
-PROJECT_ROOT = HERE.parent.parent
 WORLD_SIZE = 2
 
 
@@ -40,16 +36,10 @@ def run_two_ranks(script: str, tmp_path: Path, timeout: float = 120, nproc: int 
     """Run `script` (Python source; sys.argv[1] is tmp_path) in `nproc` processes; fail with their output."""
     path = tmp_path / "ranks.py"
     path.write_text(textwrap.dedent(script))
-    # The test helpers import as pytest's pythonpath has them (tests/plugins and tests), and the project.
-    paths = [str(HERE), str(HERE.parent), str(PROJECT_ROOT),
-             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
-    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                "SLURM_PROCID"):
-        env.pop(var, None)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", str(path), str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+                           f"--nproc-per-node={nproc}", str(path), str(tmp_path)], cwd=tmp_path,
+                          env=command_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, f"{nproc}-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
 
 

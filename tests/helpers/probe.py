@@ -1,19 +1,23 @@
 """Callbacks the tests put into real `lightfleet` runs, as a user adds a callback from the command
-line (`+callbacks.probe._target_=probe.Wiring ...`), to see from inside every rank what the
-strategies' plugins received and what they did. tests/ and tests/plugins are on the runs'
-PYTHONPATH (tests/conftest.py), so a probe can read the strategies' own test modules.
+line (`+callbacks.probe._target_=tests.helpers.probe.Wiring ...`), to see from inside every rank
+what the strategies' plugins received and what they did. The project's root is on the runs'
+PYTHONPATH (tests/helpers/commands.py), so a rank imports this module as the tests do.
 
-- `Wiring`: each knob as the object carrying it out sees it (`WIRING` of tests/plugins/test_<name>.py).
-- `Effects`: what every strategy is known for, observed alike in every run (`EFFECT` of the same).
+- `Wiring`: each knob as the object carrying it out sees it (a strategy's `wiring`, declared in
+  tests/helpers/strategies.py).
+- `Effects`: what every strategy is known for, observed alike in every run (its `row_effect`, there).
+- `FirstStep`, `FinalState`, `SynchronisingCalls`: what many tests read; then the callbacks of one
+  test module each (a run loads them by name, so they live here, not in the test module).
 
 And what in-process tests share: `knobs_of` (every knob a table of knob effects must name) and
 `attention_in_plain_matmuls` (attention that torch's FLOP counter sees).
 """
 from __future__ import annotations
 
-import importlib
 import json
-from dataclasses import dataclass, field
+import signal
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -23,42 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor
-
-Reader = Callable[[pl.Trainer, pl.LightningModule], Any]
-
-
-@dataclass
-class Knob:
-    """A knob set to `value` on the command line, and how to read it off the objects of a run."""
-
-    value: Any
-    read: Reader
-    expected: Any = None  # what `read` must return, when it is not `value` itself
-
-    def override(self, strategy: str, name: str) -> str:
-        text = json.dumps(self.value) if not isinstance(self.value, str) else self.value
-        return f"strategy.{strategy}.{name}={text.replace(' ', '')}"
-
-
-@dataclass
-class WiringCase:
-    """Non-default knobs of one strategy, set together in one run with `overrides`. With
-    `from_run_dir`, each knob's `read` takes the run directory after the command ends instead
-    (strategy=[auto]: what it tried and chose is written there, and search_only trains nothing)."""
-
-    knobs: Dict[str, Knob]
-    overrides: List[str] = field(default_factory=list)
-    from_run_dir: bool = False
-
-
-def strategy_tests(name: str) -> Any:
-    """tests/plugins/test_<name>.py, the strategy's test module."""
-    return importlib.import_module(f"test_{name}")
-
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 class Wiring(pl.Callback):
-    """After the first training batch, rank 0 writes what the readers of `WIRING[case]` of the
-    strategy's test module see into wiring.json in the run directory."""
+    """After the first training batch, rank 0 writes what the readers of the strategy's wiring case
+    `case` (tests/helpers/strategies.py) see into wiring.json in the run directory."""
 
     def __init__(self, strategy: str, case: int) -> None:
         self.strategy, self.case = strategy, case
@@ -67,7 +41,9 @@ class Wiring(pl.Callback):
                            batch_idx: int) -> None:
         if batch_idx or not trainer.is_global_zero:
             return
-        knobs = strategy_tests(self.strategy).WIRING[self.case].knobs
+        from tests.helpers.strategies import STRATEGIES  # here: only the runs that wire import the readers' plugins
+
+        knobs = STRATEGIES[self.strategy].wiring[self.case].knobs
         seen = {name: knob.read(trainer, pl_module) for name, knob in knobs.items()}
         Path(trainer.default_root_dir, "wiring.json").write_text(json.dumps(seen))
 
@@ -254,6 +230,177 @@ def reads_off_logging_steps(windows: List[List[int]], k_steps: int, log_every: i
     return {index: calls for index, (step, calls) in enumerate(windows) if calls and not logged(index, step)}
 
 
+# --------------------------------------------------------------------------- callbacks of one test module each
+
+
+# tests/plugins/test_collective.py
+
+
+class CollectiveProbe(pl.Callback):
+    """At the end of training (DDP has rebuilt its buckets by then), each rank writes what it
+    sees into probe.rank<r>.json in the run directory."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        seen: Dict[str, Any] = {
+            "threads": torch.get_num_threads(),
+            "sync_batch_norm": any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()),
+            "foreach": trainer.optimizers[0].param_groups[0].get("foreach"),
+        }
+        ddp = trainer.strategy.model
+        if isinstance(ddp, DistributedDataParallel):
+            logged = ddp._get_ddp_logging_data()
+            # After the first step DDP rebuilds its buckets in gradient order, by bucket_cap_mb; each
+            # step then hands every bucket to the allreduce (num_buckets_reduced).
+            seen.update(bucket_cap_bytes=ddp.bucket_bytes_cap, find_unused_parameters=ddp.find_unused_parameters,
+                        buckets=logged["num_buckets_reduced"], bucket_sizes=logged.get("rebuilt_bucket_sizes"))
+        Path(trainer.default_root_dir, f"probe.rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+class HangingRank(pl.Callback):
+    """Rank 1 stops answering at step 2, as a rank stuck outside a collective would (and dies
+    at once on SIGTERM, as one stuck in C++ code would not run a Python handler)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            Path(trainer.default_root_dir, HANG_STARTED).write_text(str(time.time()))
+            time.sleep(300)
+
+
+HANG_STARTED = "hang_started"  # when rank 1 stopped answering (seconds since the epoch)
+
+
+# tests/plugins/test_batch_norm.py
+
+
+def floating_buffers(pl_module: pl.LightningModule) -> Dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in pl_module.named_buffers() if b.is_floating_point()}
+
+
+class RunningStats(pl.Callback):
+    """Each rank saves, as running_stats.rank<r>.pt in the run directory, its floating buffers when
+    training starts and when it ends."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = floating_buffers(pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save({"start": self.start, "end": floating_buffers(pl_module)},
+                   Path(trainer.default_root_dir) / f"running_stats.rank{trainer.global_rank}.pt")
+
+
+# tests/plugins/test_fast_path.py (and tests/test_gpu.py)
+
+
+class AttentionOps(TorchDispatchMode):
+    """Counts the aten ops by name while active: which kernel scaled_dot_product_attention ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def attention(self) -> Dict[str, int]:
+        # The math kernel's softmax; not the loss's log-softmax.
+        return {op: count for op, count in self.ops.items()
+                if "attention" in op or op.startswith(("_safe_softmax", "_softmax"))}
+
+
+class CountFirstBatch(pl.Callback):
+    """The aten ops of the first training batch (forward, recomputation, backward, step)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.counter = AttentionOps()
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.counter.__exit__(None, None, None)
+
+
+class FastPathProbe(CountFirstBatch):
+    """Each rank writes into fast_path.rank<r>.json what it trained with: whether the model is
+    compiled (and the graphs dynamo made), the optimizer's class and its groups' fused flags, the
+    attention ops of the first training batch (not under compile: dynamo would trace the
+    counting), the losses, and a checksum of its (full) parameters."""
+
+    def __init__(self, count_attention: bool = True) -> None:
+        super().__init__()
+        self.count_attention = count_attention
+        self.counter = AttentionOps()
+        self.losses: List[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.count_attention:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.count_attention:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        optimizer = trainer.optimizers[0]
+        full = [p.full_tensor() if isinstance(p, DTensor) else p for p in pl_module.parameters()]
+        seen = {"compiled": pl_module._compiled_call_impl is not None, "optimizer": type(optimizer).__name__,
+                "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                "dtensor": any(isinstance(p, DTensor) for p in pl_module.parameters()),
+                "fused": [group.get("fused") for group in optimizer.param_groups],
+                "attention": self.counter.attention(), "losses": self.losses,
+                "checksum": float(sum(p.detach().double().sum() for p in full))}
+        Path(trainer.default_root_dir, f"fast_path.rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+# tests/test_gpu.py
+
+
+class CudaProbe(pl.Callback):
+    """What rank 0 trained with, written into probe.json in the run directory at the end."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.dtypes, self.channels_last = set(), set()
+        first = next(module for module in pl_module.modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)))
+        first.register_forward_hook(lambda module, args, output: self.dtypes.add(str(output.dtype)))
+        first.register_forward_hook(lambda module, args, output: self.channels_last.add(
+            args[0].dim() == 4 and args[0].is_contiguous(memory_format=torch.channels_last)))
+        loader = trainer.fit_loop._combined_loader.flattened[0]
+        self.loader = {"pin_memory": loader.pin_memory, "num_workers": loader.num_workers}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank:
+            return
+        device = trainer.strategy.root_device
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        seen: Dict[str, Any] = {
+            "device": str(device), "backend": dist.get_backend() if dist.is_initialized() else None,
+            "forward_dtypes": sorted(self.dtypes), "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "channels_last_inputs": sorted(self.channels_last), "loader": self.loader,
+            "memory_fraction": torch.cuda.get_per_process_memory_fraction(device),
+            "scaler": [cls.__module__ + "." + cls.__name__ for cls in type(scaler).__mro__] if scaler else [],
+            "scale": float(scaler.get_scale()) if scaler else None}
+        Path(trainer.default_root_dir, "probe.json").write_text(json.dumps(seen))
+
+
+# tests/test_runs.py
+
+
+class FailingStep(pl.Callback):
+    """The user's code failing mid-run, in a rank: what the command cannot foresee."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_step == self.at_step:
+            raise RuntimeError(f"the user's callback failed at step {self.at_step}")
+
+
 # --------------------------------------------------------------------------- shared by in-process tests
 
 
@@ -296,7 +443,7 @@ def optimizer_knob(make: Callable[..., pl.LightningModule]) -> None:
 def channels_last_knob(make: Callable[..., pl.LightningModule]) -> None:
     """A convolution model's `channels_last=true`: its convolution weights in channels-last on a CPU
     too, where auto (the default) leaves them (tests/runner/test_device_path.py: on CUDA)."""
-    from data_files import on_device
+    from tests.helpers.data_files import on_device
 
     def converted(**knob: Any) -> bool:
         model = make(**knob)

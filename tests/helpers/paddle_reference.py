@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).with_name("paddle")
+SCRIPTS = Path(__file__).resolve().parents[1] / "paddle"  # tests/paddle/
 
 
 def run_paddle(script: str, *args: str, timeout: float = 300) -> str:

@@ -1,0 +1,1 @@
+"""The runner's tests, in-process and through the command."""
