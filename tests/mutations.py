@@ -178,7 +178,7 @@ MUTANTS = [
            (module("localsgd"), wiring("localsgd and not adaptive"), rows("amp+localsgd"))),
     Mutant("localsgd-k-steps-constant", "localsgd", "contribute() passes k_steps=1 instead of the knob",
            "runner/strategies/localsgd.py",
-           'Component("plugins.localsgd:ModelAveraging", asdict(self))',
+           'Component("plugins.localsgd:ModelAveraging", self.averaging_knobs())',
            'Component("plugins.localsgd:ModelAveraging", {"k_steps": 1, "begin_step": self.begin_step})',
            (wiring("localsgd and not adaptive"), module("localsgd"), rows("amp+localsgd"))),
     # ------------------------------------------------------------------ adaptive_localsgd
@@ -197,9 +197,8 @@ MUTANTS = [
     Mutant("adaptive-localsgd-init-k-constant", "adaptive_localsgd",
            "contribute() passes init_k_steps=1 instead of the knob",
            "runner/strategies/adaptive_localsgd.py",
-           'Component("plugins.adaptive_localsgd:AdaptiveModelAveraging", asdict(self))',
-           'Component("plugins.adaptive_localsgd:AdaptiveModelAveraging", '
-           '{"init_k_steps": 1, "begin_step": self.begin_step})',
+           'self.averaging_knobs())])',
+           '{"init_k_steps": 1, "begin_step": self.begin_step})])',
            (wiring("adaptive_localsgd"), module("adaptive_localsgd"), rows("adaptive_localsgd+amp"))),
     # ------------------------------------------------------------------ dgc
     Mutant("dgc-dense", "dgc", "top-k keeps the sparsity fraction instead of 1 - sparsity: nearly dense",
