@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -21,8 +22,6 @@ from runner.command.console import AboveTheBar, InPlaceBar
 from runner.config.compose import CONFIG_NAME
 from runner.rank.train import NotFromLibraries
 from runner.records.run_dir import checkpoint_contents
-
-pytestmark = pytest.mark.slow  # every test here trains in processes of its own
 
 QUIET = re.compile(r"warn", re.IGNORECASE)
 
@@ -40,20 +39,39 @@ def preflight_of(*overrides: str) -> preflight.Flight:
     return preflight.check_job(preflight.compose(list(overrides), None, CONFIG_NAME))
 
 
+def timed(lightfleet, *overrides: str):
+    """The command's result, with the seconds it took as `seconds`."""
+    started = time.monotonic()
+    done = lightfleet(*overrides)
+    done.seconds = time.monotonic() - started
+    return done
+
+
+def bar_lines(done) -> list:
+    """The progress bar's lines in a `timed` command's output, a pipe as a log file's or a SLURM
+    job's: each a line of its own, at most one every 30 seconds and the last at the end, without
+    carriage returns, cursor codes or a negative rate."""
+    shown = console(done)
+    assert "\r" not in shown and "\x1b[" not in shown and not re.search(r"-[0-9.]+it/s", shown), shown[-2000:]
+    bars = [line for line in shown.splitlines() if "step:" in line or "it/s" in line]
+    assert 1 <= len(bars) <= 1 + done.seconds // 30, bars
+    return bars
+
+
 # torch.distributed.checkpoint's, each time last.ckpt is written again (where fit ends).
 WARNED = "Detected an existing checkpoint"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["strategy=[sharding]", "strategy.sharding.stage=3", "trainer.devices=2"],
                                      ["experiment=gpt_pipeline_1f1b"]], ids=["sharding", "pipeline"])
 def test_a_multi_process_runs_console_holds_only_lightfleets_lines(lightfleet, tmp_path, monkeypatch, command):
-    done = lightfleet(*command, "trainer.max_steps=3", "paths.output_dir=run")
+    done = timed(lightfleet, *command, "trainer.max_steps=3", "paths.output_dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not QUIET.search(console(done)), console(done)
     # One bar, rank 0's, drawn by the command: not a line per refresh behind "[rank0]:"
-    bars = [line for line in console(done).splitlines() if "step:" in line or "it/s" in line]
-    assert len(bars) == 1 and bars[0].startswith("Epoch 0, step: 100%") and "3/3" in bars[0], bars
-    assert "v_num" not in bars[0]
+    bars = bar_lines(done)
+    assert bars[-1].startswith("Epoch 0, step: 100%") and "3/3" in bars[-1] and "v_num" not in bars[-1], bars
     log = job_log(tmp_path / "run")
     assert WARNED in log and "[rank 0][py.warnings][WARNING]" in log and "[rank 1]" in log
     # The run's checkpoint, a distributed-checkpoint directory, read as the preflight reads it.
@@ -66,12 +84,15 @@ def test_a_multi_process_runs_console_holds_only_lightfleets_lines(lightfleet, t
     assert loud.returncode == 0 and WARNED in console(loud)
 
 
+@pytest.mark.slow
 def test_a_single_process_run_keeps_its_log_and_counts_steps_on_the_progress_bar(lightfleet, tmp_path):
-    """40 steps of 32-batch epochs: the bar goes on counting the run's steps in the second epoch."""
-    done = lightfleet("experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=run")
+    """40 steps of 32-batch epochs: the bar goes on counting the run's steps in the second epoch.
+    Its output is a pipe, as a log file's or a SLURM job's: the bar is a line of its own, printed
+    at most every 30 seconds and at the end, without carriage returns or cursor codes."""
+    done = timed(lightfleet, "experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not QUIET.search(console(done)) and "GPU available" not in console(done)
-    assert re.search(r"Epoch 1, step: 100%\|[^|]*\| 40/40", done.stdout), done.stdout[-2000:]
+    assert re.search(r"Epoch 1, step: 100%\|[^|]*\| 40/40", bar_lines(done)[-1]), done.stdout[-2000:]
     log = job_log(tmp_path / "run")
     assert "GPU available" in log and "[py.warnings][WARNING]" in log  # Lightning's lines and the warnings
     assert "lightfleet: run directory" in log and "lightfleet: done: 40 steps" in log  # and the job's own

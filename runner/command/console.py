@@ -5,6 +5,7 @@ most every PLAIN_EVERY_S seconds, and once at the end."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import sys
 import threading
@@ -95,7 +96,13 @@ def progress_in_place(path: Path) -> Iterator[None]:
     """While inside: the relayed bar at `path` drawn on stdout, the process's own writes above it."""
     bar = InPlaceBar(sys.stdout)
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = AboveTheBar(sys.stdout, bar), AboveTheBar(sys.stderr, bar)  # type: ignore[assignment]
+    above = {stream: AboveTheBar(stream, bar) for stream in streams}
+    sys.stdout, sys.stderr = above[streams[0]], above[streams[1]]  # type: ignore[assignment]
+    # The log's console handlers hold the streams they were given (Hydra's job logging): their
+    # lines, "lightfleet: interrupted ..." among them, go above the bar too, never glued to it.
+    handlers = [handler for handler in dict.fromkeys(console_handlers()) if handler.stream in above]
+    for handler in handlers:
+        handler.setStream(above[handler.stream])
     stop = threading.Event()
     poller = threading.Thread(target=follow, args=(path, bar, stop), daemon=True)
     poller.start()
@@ -105,4 +112,14 @@ def progress_in_place(path: Path) -> Iterator[None]:
         stop.set()
         poller.join()
         sys.stdout, sys.stderr = streams
+        for handler in handlers:
+            handler.setStream(handler.stream.stream)
         bar.finish(path.read_text() if path.exists() else "")  # the last state, which the poller may have missed
+
+
+def console_handlers() -> list:
+    """Every stream handler of the root logger and the named loggers."""
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    return [handler for logger in loggers for handler in logger.handlers
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)]

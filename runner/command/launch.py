@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -83,9 +83,23 @@ def run(records: Path, world: World) -> None:
         if launched_externally() or (nproc == 1 and world.num_nodes == 1):
             from runner.rank.train import train_from
 
-            train_from(records)
+            with nullcontext() if launched_externally() else relayed_progress(records):
+                train_from(records)
         else:
             launch_ranks(records, world, nproc)
+
+
+@contextmanager
+def relayed_progress(records: Path) -> Iterator[None]:
+    """Rank 0's progress bar written into a file and drawn by this process (runner/command/console.py):
+    redrawn in place on a terminal, a line at most every 30 s in a log file, where tqdm's own
+    redraws would add a line per step."""
+    os.environ[PROGRESS_LINE_ENV] = str(records / PROGRESS_LINE)
+    try:
+        with progress_in_place(records / PROGRESS_LINE):
+            yield
+    finally:
+        del os.environ[PROGRESS_LINE_ENV]  # for this run's bar only: not for a later job run here
 
 
 def launch_ranks(records: Path, world: World, nproc: int) -> None:
@@ -121,12 +135,11 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
         **rendezvous,
     )
     os.environ[COMMAND_PID] = str(os.getpid())  # the ranks' tie to this process (runner/rank/parent.py)
-    os.environ[PROGRESS_LINE_ENV] = str(records / PROGRESS_LINE)  # rank 0's bar, drawn here in place
     try:
-        with progress_in_place(records / PROGRESS_LINE):
+        with relayed_progress(records):
             elastic_launch(config, sys.executable)("-m", "runner.train", str(records))
     finally:
-        del os.environ[COMMAND_PID], os.environ[PROGRESS_LINE_ENV]  # for the ranks only: not for a later job run here
+        del os.environ[COMMAND_PID]  # for the ranks only: not for a later job run here
 
 
 if __name__ == "__main__":  # `python -m runner.command.launch RUN_DIR`: a run already recorded (auto's trials)

@@ -23,7 +23,7 @@ import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
@@ -141,13 +141,24 @@ class StepsProgressBar(_CountsSteps, TQDMProgressBar):
     def init_test_tqdm(self) -> Any:
         return self._drawn(super().init_test_tqdm)
 
+    counting_since: Optional[Tuple[int, float]] = None  # the step and the time the bar started counting at
+
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
+        if not bounded_by_steps(trainer):
+            return super().on_train_epoch_start(trainer, *args)
+        # Lightning resets the bar at every epoch (count, clock, rate); this one counts the run's
+        # steps (also after a resume), its time and rate since it started, across epochs.
+        self.train_progress_bar.initial = 0  # the reset draws the bar once: not at a negative rate
         super().on_train_epoch_start(trainer, *args)
-        if bounded_by_steps(trainer):  # the count goes on from the steps already taken (also after a resume)
-            bar = self.train_progress_bar
-            bar.initial = bar.n = trainer.global_step
-            bar.set_description(steps_description(trainer.current_epoch))
+        bar = self.train_progress_bar
+        if bar.disable:  # the other ranks' bars draw nothing
+            return
+        if self.counting_since is None:
+            self.counting_since = trainer.global_step, bar.start_t
+        bar.initial, bar.start_t = self.counting_since
+        bar.n = trainer.global_step
+        bar.set_description(steps_description(trainer.current_epoch))
 
 
 class RichStepsProgressBar(_CountsSteps, RichProgressBar):

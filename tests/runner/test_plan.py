@@ -329,6 +329,18 @@ def test_a_cuda_run_turns_cudnn_benchmark_on_unless_the_run_settles_it_and_the_p
         assert "note: cudnn.benchmark on: a CUDA run" in format_plan(plan)
 
 
+@pytest.mark.parametrize("dtype, cuda, noted", [("float16", False, True), ("bfloat16", False, False),
+                                                ("float16", True, False)], ids=["float16 cpu", "bfloat16 cpu", "float16 cuda"])
+def test_float16_amp_on_a_cpu_is_noted_with_the_way_out(dtype, cuda, noted):
+    # Measured: float16 autocast on a CPU without float16 units ran at 0.086x of float32.
+    plan = plan_of({"amp": AmpConfig(dtype=dtype)}, TrainerConfig(), cuda_available=lambda: cuda)
+    cpu_notes = [note for note in plan.notes if "on a CPU" in note]
+    assert len(cpu_notes) == noted
+    if noted:
+        assert "note: amp with dtype=float16 on a CPU: " in format_plan(plan)
+        assert "strategy.amp.dtype=bfloat16" in cpu_notes[0] and "leaving amp out" in cpu_notes[0]
+
+
 def test_cudnn_exhaustive_search_against_trainer_benchmark_false_is_refused_by_the_plan(spec_for):
     with pytest.raises(ConfigError, match=r"^collective.cudnn_exhaustive_search=True: trainer.benchmark=false says "
                                           r"the opposite; set only one of them$"):
