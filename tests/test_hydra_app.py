@@ -294,6 +294,9 @@ def test_resume_says_where_it_continues_counts_its_own_steps_and_refuses_a_finis
     assert f"lightfleet: continuing from step 20 (checkpoint {tmp_path / 'first' / 'checkpoints' / 'last.ckpt'})" \
         in done.stdout
     assert "lightfleet: done: 10 steps (steps 21 to 30) in " in done.stdout
+    assert "lightfleet: note: trainer.max_steps 20 -> 30: a learning-rate schedule over max_steps (lr_decay) now " \
+           "spans 30 steps, so the steps from here on are not those of the run it continues, nor of a 30-step run " \
+           "from the start (a resume with the same max_steps ends bit for bit where the run would have)" in done.stdout
     evaluated = lightfleet("eval", "more", "hydra.run.dir=evaluated")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert re.search(r"lightfleet: evaluated: val_acc [0-9.]+, val_loss [0-9.]+; run directory ", evaluated.stdout)

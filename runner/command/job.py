@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, TextIO, Tuple
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.command import launch
 from runner.command.preflight import Flight, check_job
@@ -92,6 +92,22 @@ def run_sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig) ->
     return no_result()
 
 
+def changed_length(cfg: DictConfig) -> Optional[str]:
+    """The line that says a resume trains to another trainer.max_steps than the run its
+    checkpoint comes from: a schedule spanning max_steps (the built-in models' lr_decay) is then
+    another from the first step on, so the run no longer ends as an uninterrupted one would."""
+    saved = Path(cfg.ckpt_path).parent.parent / files.CONFIG_YAML  # the run's, beside checkpoints/
+    if not saved.is_file():
+        return None
+    before = OmegaConf.load(saved).trainer.get("max_steps")
+    if before in (None, -1) or before == cfg.trainer.max_steps:
+        return None
+    return (f"lightfleet: note: trainer.max_steps {before} -> {cfg.trainer.max_steps}: a learning-rate schedule "
+            f"over max_steps (lr_decay) now spans {cfg.trainer.max_steps} steps, so the steps from here on are "
+            f"not those of the run it continues, nor of a {cfg.trainer.max_steps}-step run from the start "
+            f"(a resume with the same max_steps ends bit for bit where the run would have)")
+
+
 def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, start_step: Optional[int]) -> int:
     """Record the run in `records` and train (from `start_step`, ckpt_path's, if any); a failed
     rank becomes one line naming its log."""
@@ -119,6 +135,8 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
     if start_step is not None:
         say(f"lightfleet: {'evaluating' if spec.cfg.evaluate else 'continuing from'} step {start_step} "
             f"(checkpoint {spec.cfg.ckpt_path})")
+        if not spec.cfg.evaluate and (longer := changed_length(spec.cfg)):
+            say(longer)
     started = time.monotonic()
     try:
         launch.run(records, World(**plan.world))

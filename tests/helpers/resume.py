@@ -29,6 +29,7 @@ def resumes_exactly(lightfleet: Callable, tmp_path: Path, full: str, step: int) 
     (middle,) = (tmp_path / full / "checkpoints").glob(f"*-step={step}.ckpt")
     resumed = lightfleet("resume", full, f"ckpt_path='{middle}'", "paths.output_dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "trainer.max_steps" not in resumed.stdout  # the same run's length: no note that it changed
     assert_same_end(tmp_path / full, tmp_path / "resumed", step)
 
 
