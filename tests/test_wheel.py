@@ -36,8 +36,8 @@ def installed(tmp_path_factory) -> Dict[str, Path]:
             shutil.copytree(PROJECT_ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(PROJECT_ROOT / name, source / name)
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", "dist", str(source)],
-        work)
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", "dist",
+         str(source)], work)
     (wheel,) = (work / "dist").glob("lightfleet-*.whl")
     venv = work / "venv"
     run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], work)

@@ -37,16 +37,17 @@ CHECKOUT: Optional[Path] = None if CONF_DIR.parent == PACKAGE_DIR else IMPORT_RO
 def user_code_last(user_dir: Optional[str] = None) -> None:
     """The user's modules (the `_target_`s of their model and data) importable from the command's
     directory, after lightfleet's packages and everything installed, so that a `plugins/` or
-    `runner/` of the user's there shadows nothing of lightfleet's. `python -m` put the working
-    directory first on the path: it goes last, unless lightfleet itself runs from it (a checkout).
-    The command gives its directory, for itself and every process it starts (their environment:
-    lightfleet's checkout leads their PYTHONPATH, as a rank does not find it in its working
-    directory, python_module); each of those calls this on its own, without it."""
+    `runner/` of the user's there shadows nothing of lightfleet's (`python -m` put the working
+    directory first); lightfleet's own checkout, when it is that directory, keeps its place.
+
+    The command passes its directory: every process it starts is told it (USER_DIR) and finds
+    lightfleet's checkout first on its PYTHONPATH, as it does not look in its working directory
+    (python_module). Each of those processes calls this without an argument."""
     ours = str(IMPORT_ROOT)
     if user_dir is not None:
         os.environ[USER_DIR] = user_dir
         given = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry not in ("", ours)]
-        os.environ["PYTHONPATH"] = os.pathsep.join([*([ours] if CHECKOUT else []), *given])
+        os.environ["PYTHONPATH"] = os.pathsep.join([*([ours] if CHECKOUT is not None else []), *given])
     user_dir = os.environ.get(USER_DIR, os.getcwd())
     sys.path[:] = [entry for entry in sys.path if entry not in ("", user_dir) or entry == ours]
     if user_dir != ours:
@@ -55,6 +56,7 @@ def user_code_last(user_dir: Optional[str] = None) -> None:
 
 def python_module(module: str) -> List[str]:
     """`python -m module`, for a process lightfleet starts (a rank, auto's trial), without its working
-    directory first on its path, where a user's `runner/` would be imported in place of lightfleet's
-    (-P: Python 3.11 and later; on 3.10 the process drops that entry once started, user_code_last)."""
+    directory first on its path, where a user's `runner/` would be imported in place of lightfleet's:
+    -P, Python 3.11 and later. Python 3.10 has none: there a `runner/` of the user's still shadows
+    lightfleet's in these processes, and user_code_last moves the directory last once they start."""
     return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", module]
