@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runner/ and bench/ when lightfleet is not installed
 from bench.run import paired_ratio, timed  # noqa: E402
 from bench.spawning import machine  # noqa: E402
+from runner.core.paths import CONF_DIR  # noqa: E402
 from runner.data import SyntheticLanguageModelData  # noqa: E402
 from runner.rank.measure import peak_flops  # noqa: E402
 from runner.models import GPTDecoder  # noqa: E402
@@ -158,13 +159,13 @@ class StepWindow(pl.Callback):
 
 def adamw_settings() -> Dict[str, float]:
     """lr and weight decay of conf/model/gpt.yaml's AdamW, which lightfleet's sides train with."""
-    optimizer = yaml.safe_load((ROOT / "conf" / "model" / "gpt.yaml").read_text())["optimizer"]
+    optimizer = yaml.safe_load((CONF_DIR / "model" / "gpt.yaml").read_text())["optimizer"]
     return {key: value for key, value in optimizer.items() if not key.startswith("_")}
 
 
 def lightfleet_trainer_defaults() -> Dict[str, Any]:
     """conf/trainer/default.yaml: the Trainer settings lightfleet's sides run with."""
-    return yaml.safe_load((ROOT / "conf" / "trainer" / "default.yaml").read_text())
+    return yaml.safe_load((CONF_DIR / "trainer" / "default.yaml").read_text())
 
 
 def hand_loop(setup: Setup) -> Tuple[Window, GPTDecoder]:

@@ -3,10 +3,12 @@ in RUN_DIR (runner/rank/train.py; runner/command/launch.py starts every rank thi
 import sys
 from pathlib import Path
 
+from runner.core.paths import user_code_last
 from runner.rank.parent import tie_to_command
 
 if __name__ == "__main__":
     tie_to_command()  # first, before torch is imported: a command killed now takes its ranks with it
+    user_code_last()
     from runner.rank.train import main
 
     main(Path(sys.argv[1]))

@@ -19,6 +19,7 @@ import pytest
 from runner import strategies
 from runner.config import collective, schema
 from runner.command.cli import main
+from runner.core.paths import USER_DIR
 
 GROUPS = {"model": "mlp", "data": "classification", "trainer": "cpu", "logger": "csv", "callbacks": "default",
           "collective": "default", "debug": "fdr", "experiment": "quickstart"}
@@ -106,8 +107,10 @@ PATHS = {"a file": "taken", "under a file": "taken/run", "inside a run": "done/i
 def refusal(args: List[str], tmp_path, monkeypatch, capsys) -> str:
     """The one stderr line of `lightfleet ARGS`, which must exit 2 with no traceback."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the working directory first
+    # main moves the working directory last on the path and sets the environment of what it starts
+    monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.delenv(USER_DIR, raising=False)
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     err = capsys.readouterr().err

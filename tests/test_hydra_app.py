@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.user_code import USER_MODEL
+from tests.helpers.user_code import USER_MODEL, USER_NET, shadowing_packages
 
 USER_CONFIGS = {
-    "model/user_net.yaml": "_target_: user_model.UserNet\nwidth: 16\n",
+    "model/user_net.yaml": USER_NET,
     "data/user_data.yaml": "defaults:\n  - classification\n  - _self_\nbatch_size: 32\nnum_train: 512\n",
     "experiment/user_experiment.yaml": textwrap.dedent("""\
         # @package _global_
@@ -37,8 +37,11 @@ QUICK = ("trainer.max_steps=6", "trainer.log_every_n_steps=2", "trainer.enable_p
 
 @pytest.fixture
 def user_dir(tmp_path: Path) -> Path:
-    """The user's module beside the run (importable from where lightfleet runs) and their config dir."""
+    """The user's module beside the run (importable from where lightfleet runs) and their config dir;
+    and a `plugins` package of their own, which shadows nothing of lightfleet's (their `runner/` would
+    shadow `python -m runner` itself, the tests' command: tests/test_wheel.py runs `lightfleet` with one)."""
     (tmp_path / "user_model.py").write_text(USER_MODEL)
+    shadowing_packages(tmp_path, "plugins")
     configs = tmp_path / "my_configs"
     for name, text in USER_CONFIGS.items():
         (configs / name).parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +88,14 @@ def test_user_model_in_two_processes_with_hydra_run_dir_chdir_and_job_name(light
     assert read(run / "results.yaml")["global_step"] == 6
     assert (run / "lightfleet.log").is_file() and (run / ".hydra" / "overrides.yaml").is_file()
     assert len(list(run.glob("logs/*/attempt_0/*/stderr.log"))) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "my_configs", "user_model.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "my_configs", "plugins", "user_model.py"]
+
+
+@pytest.mark.slow
+def test_a_users_plugins_package_beside_their_model_shadows_nothing(lightfleet, user_dir):
+    planned = lightfleet("-cd", "my_configs", "model=user_net", "dry_run=true")  # the model's class is imported
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "strategies: (none)\nworld: 1 process(es)" in planned.stdout
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,6 +29,7 @@ from runner.config.checks import RunSpec, validate
 from runner.command.planning import plan_for
 from runner.core.contribution import Facts
 from runner.core.errors import ConfigError, Refusal
+from runner.core.paths import python_module
 from runner.core.plan import Plan
 from runner.records.files import (AGAIN, AUTO_DIR, CANDIDATES_CSV, CHOICE_YAML, FAILED, FINISHED, OUT_OF_MEMORY,
                                   REFUSED, SWEEP_YAML, TRIAL_LOG, TRIALS_DIR, failure_outcome, job_ending)
@@ -197,7 +197,7 @@ def run_trial(spec: RunSpec, c: Candidate, auto: AutoConfig, trial_dir: Path, co
     trial = with_strategies(spec, c.strategies, trial_dir=trial_dir, steps=auto.trial_steps)
     create_run_dir(trial.cfg, plan_for(trial), command, trial_dir)
     log = trial_dir / TRIAL_LOG
-    with log.open("w") as output, subprocess.Popen([sys.executable, "-m", "runner.command.launch", str(trial_dir)],
+    with log.open("w") as output, subprocess.Popen([*python_module("runner.command.launch"), str(trial_dir)],
                                                    stdout=output, stderr=subprocess.STDOUT) as done:
         try:
             done.wait()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Dict, List, NoReturn, Optional, Sequence, Tupl
 
 from runner.command import preflight, usage
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
-from runner.core.paths import CONF_DIR
+from runner.core.paths import CONF_DIR, user_code_last
 from runner.core.clock import mark_start
 from runner.rank.parent import INTERRUPTED, STOPPED
 
@@ -40,11 +40,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in args:  # the short form of Hydra's own switch
         args = [arg for arg in args if arg != "--verbose"] + ["hydra.verbose=true"]
-    # `_target_`s name the user's own modules, found from where lightfleet runs (as with
-    # `python -m`): in this process, its rank processes and launcher workers, after hydra.job.chdir too.
-    cwd = os.getcwd()
-    sys.path.insert(0, cwd)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
+    # `_target_`s name the user's own modules, found from where lightfleet runs: in this process, its
+    # rank processes and launcher workers, after hydra.job.chdir too; after lightfleet's own packages.
+    user_code_last(os.getcwd())
     if args and args[0] in usage.SUBCOMMANDS and args[0] not in RUN_DIR_COMMANDS:  # they parse their own arguments
         return main_of(args[0])(args if args[0].endswith("-fleet") else args[1:])
     if {"-h", "--help"} & set(args) or args[:1] == ["--version"]:  # answered without torch, Lightning or Hydra

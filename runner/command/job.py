@@ -27,6 +27,7 @@ from runner.command import launch
 from runner.command.preflight import Flight, check_job
 from runner.config.checks import RunSpec
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error
+from runner.core.paths import user_code_last
 from runner.core.plan import Plan, format_plan
 from runner.core.clock import mark_start
 from runner.records import files
@@ -63,6 +64,7 @@ def run_checked(flight: Flight, run_dir: Path, _cfg: DictConfig) -> None:
 def run_sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig) -> Optional[float]:
     """One job of a sweep, with the command's preflight of it when the command checked it
     (`checked`, by the job's overrides), else checked here, once."""
+    user_code_last()  # a launcher's worker process (joblib, submitit) imports the user's modules too
     hydra = HydraConfig.get()
     records = Path(hydra.runtime.output_dir)
     command = list(hydra.overrides.task)

@@ -20,6 +20,7 @@ from typing import Iterator
 
 from runner.command.console import progress_in_place
 from runner.core.errors import ConfigError, exit_on_user_error
+from runner.core.paths import python_module, user_code_last
 from runner.config.schema import TrainerConfig
 from runner.rank.parent import COMMAND_PID
 from runner.records.files import LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
@@ -137,11 +138,13 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
     os.environ[COMMAND_PID] = str(os.getpid())  # the ranks' tie to this process (runner/rank/parent.py)
     try:
         with relayed_progress(records):
-            elastic_launch(config, sys.executable)("-m", "runner.train", str(records))
+            python, *arguments = python_module("runner.train")
+            elastic_launch(config, python)(*arguments, str(records))
     finally:
         del os.environ[COMMAND_PID]  # for the ranks only: not for a later job run here
 
 
 if __name__ == "__main__":  # `python -m runner.command.launch RUN_DIR`: a run already recorded (auto's trials)
+    user_code_last()
     with exit_on_user_error():
         run(Path(sys.argv[1]), World(**read_plan(Path(sys.argv[1])).world))

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from runner.core.paths import PROJECT_ROOT
+from runner.core.paths import CHECKOUT
 from runner.core.errors import ConfigError, error_line, require
 from runner.core.plan import Plan, format_plan
 from runner.core.world import World, external_rank, launched_externally
@@ -239,10 +239,12 @@ def environment(command: Sequence[str]) -> Dict[str, Any]:
 
 
 def git_commit() -> str:
+    if CHECKOUT is None:  # installed: versions.lightfleet names the code; a repository around it is not its
+        return "unknown"
     try:
-        out = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True,
+        out = subprocess.run(["git", "-C", str(CHECKOUT), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(PROJECT_ROOT), "status", "--porcelain"], capture_output=True,
+        dirty = subprocess.run(["git", "-C", str(CHECKOUT), "status", "--porcelain"], capture_output=True,
                                text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"

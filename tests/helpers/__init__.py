@@ -8,6 +8,6 @@
 - distributed: 2-process torch runs and their rank side; optimizer_checks: LARS's and LAMB's shared checks.
 - data_files: files the tests train on; paddle_reference: Paddle's scripts (tests/paddle/) as the reference.
 - resume: the check that a resume is exact; preemption: the command as a process a test signals;
-  user_code: a user's model, written with nothing of lightfleet's.
+  user_code: a user's model, written with nothing of lightfleet's, and packages of theirs named as lightfleet's.
 - selections: how many tests a pytest selection selects (the mutants' of tests/mutations.py).
 """

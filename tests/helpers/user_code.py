@@ -1,6 +1,8 @@
 """A user's code for the runs that bring their own (tests/test_hydra_app.py, tests/test_resume.py,
-tests/test_readme.py), written in the tests so that nothing of lightfleet's is in it."""
+tests/test_readme.py, tests/test_wheel.py), written in the tests so that nothing of lightfleet's is in it."""
 from __future__ import annotations
+
+from pathlib import Path
 
 # A user's model, written here so that nothing of lightfleet's is in it: nested blocks and batch norm.
 USER_MODEL = '''
@@ -45,3 +47,15 @@ class UserNet(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 '''
+
+# USER_MODEL's config in the user's config directory (model/user_net.yaml), with USER_MODEL in user_model.py.
+USER_NET = "_target_: user_model.UserNet\nwidth: 16\n"
+
+
+def shadowing_packages(folder: Path, *names: str) -> None:
+    """Packages of the user's in `folder` named as lightfleet's (plugins, runner), each failing on
+    import: run from `folder`, lightfleet must import its own."""
+    for name in names:
+        message = f"the user's own {name}/ was imported"
+        (folder / name).mkdir()
+        (folder / name / "__init__.py").write_text(f"raise ImportError({message!r})\n")

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers.paddle_reference import run_paddle
 from runner.config.compat import check, load_table
-from runner.core.paths import PROJECT_ROOT
+from tests.helpers.commands import PROJECT_ROOT
 from runner.core.errors import Refusal
 
 TABLE = load_table()

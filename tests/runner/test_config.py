@@ -79,7 +79,7 @@ def test_trainer_schema_covers_lightning_trainer():
 
 def test_knob_reference_is_current():
     """docs/knobs.md is generated from the schema: regenerate with `python -m runner.config.knobs > docs/knobs.md`."""
-    from runner.core.paths import PROJECT_ROOT
+    from tests.helpers.commands import PROJECT_ROOT
     from runner.config.knobs import render
 
     assert (PROJECT_ROOT / "docs" / "knobs.md").read_text() == render()

@@ -18,7 +18,8 @@ import yaml
 
 from runner import strategies
 from runner.config import schema
-from runner.core.paths import CONF_DIR, PROJECT_ROOT
+from runner.core.paths import CONF_DIR
+from tests.helpers.commands import PROJECT_ROOT
 from runner.core.contribution import Component, Contribution, RunShape
 from runner.core.world import World
 

@@ -1,7 +1,6 @@
 """Built-in models and synthetic data: each conf pair really learns, data is seeded, confs build; the\ncompact models' FLOPs at every input size and every knob's own effect."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import hydra
@@ -14,9 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers.probe import attention_in_plain_matmuls, channels_last_knob, knobs_of, optimizer_knob
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
+from runner.core.paths import CONF_DIR
 from runner.models import BasicBlock, ClassifierModule, GPTDecoder, MLPClassifier, ResidualMLPBlock, ResNetClassifier
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
 
 # model conf, data conf, training steps, validation accuracy to beat after training
 # (chance: 1/4 for the classifiers, 1/64 for the decoder).
@@ -35,7 +33,7 @@ PAIRED_VALUES = [
 
 
 def load(group: str, name: str):
-    return OmegaConf.load(CONF / group / f"{name}.yaml")
+    return OmegaConf.load(CONF_DIR / group / f"{name}.yaml")
 
 
 def trainer(**overrides) -> pl.Trainer:
@@ -68,7 +66,7 @@ def test_paired_confs_agree(model_name, data_name, pairs):
         assert model[model_key] == OmegaConf.select(data, data_key), (model_key, data_key)
 
 
-@pytest.mark.parametrize("path", sorted((CONF / "model").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((CONF_DIR / "model").glob("*.yaml")), ids=lambda p: p.stem)
 def test_model_conf_instantiates(path):
     conf = OmegaConf.load(path)
     model = hydra.utils.instantiate(conf)
@@ -83,7 +81,7 @@ def test_model_conf_instantiates(path):
 FILE_DATA = ("hf_text", "imagefolder", "tokens")
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (CONF / "data").glob("*.yaml") if p.stem not in FILE_DATA),
+@pytest.mark.parametrize("path", sorted(p for p in (CONF_DIR / "data").glob("*.yaml") if p.stem not in FILE_DATA),
                          ids=lambda p: p.stem)
 def test_data_conf_instantiates(path):
     data = hydra.utils.instantiate(OmegaConf.load(path))
@@ -280,7 +278,7 @@ COMPACT_KNOBS: dict = {
 
 @pytest.mark.parametrize("model_class", list(COMPACT), ids=list(COMPACT.values()))
 def test_every_knob_of_the_compact_models_has_a_check(model_class):
-    assert set(COMPACT_KNOBS[model_class]) == knobs_of(model_class, CONF / "model" / f"{COMPACT[model_class]}.yaml")
+    assert set(COMPACT_KNOBS[model_class]) == knobs_of(model_class, CONF_DIR / "model" / f"{COMPACT[model_class]}.yaml")
 
 
 @pytest.mark.parametrize("model_class, knob", [(m, k) for m in COMPACT for k in sorted(COMPACT_KNOBS[m])],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +12,7 @@ from runner.command.planning import plan_for
 from runner.config.collective import LIGHTFLEET_DDP, BuildStrategyConfig, CollectiveConfig, ExecutionStrategyConfig
 from runner.core.contribution import Component, Contribution
 from runner.core.errors import ConfigError, Refusal
+from runner.core.paths import EXPERIMENTS_DIR
 from runner.core.plan import AFTER_USER, PHASES, Plan, format_plan, make_plan
 from runner.config.schema import TrainerConfig
 from runner.strategies.amp import AmpConfig
@@ -25,7 +25,6 @@ from runner.strategies.sharding import ShardingConfig
 plan_of = partial(make_plan, data_parallel=LIGHTFLEET_DDP)
 
 
-EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 COMPILING = CollectiveConfig(build_strategy=BuildStrategyConfig(fuse_elewise_add_act_ops=True))
 
 
@@ -350,9 +349,9 @@ def test_cudnn_exhaustive_search_against_trainer_benchmark_false_is_refused_by_t
         assert plan.trainer_args["benchmark"] == {"value": True, "by": "collective"}
 
 
-@pytest.mark.parametrize("experiment", sorted(path.stem for path in EXPERIMENTS.glob("*.yaml")))
+@pytest.mark.parametrize("experiment", sorted(path.stem for path in EXPERIMENTS_DIR.glob("*.yaml")))
 def test_every_shipped_experiments_plan_holds_exactly_the_strategies_its_file_names(spec_for, experiment):
-    defaults = yaml.safe_load((EXPERIMENTS / f"{experiment}.yaml").read_text()).get("defaults", [])
+    defaults = yaml.safe_load((EXPERIMENTS_DIR / f"{experiment}.yaml").read_text()).get("defaults", [])
     named = next((entry["override /strategy"] for entry in defaults
                   if isinstance(entry, dict) and "override /strategy" in entry), [])
     assert sorted(plan_for(spec_for(f"experiment={experiment}")).strategies) == sorted(named)

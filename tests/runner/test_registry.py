@@ -14,7 +14,8 @@ import yaml
 
 from runner import strategies
 from runner.config.compat import load_table
-from runner.core.paths import CONF_DIR, PROJECT_ROOT
+from runner.core.paths import CONF_DIR
+from tests.helpers.commands import PROJECT_ROOT
 
 
 def test_registry_config_files_table_and_knob_reference_agree(spec_for):
