@@ -76,10 +76,13 @@ def compose(overrides: Sequence[str], config_dir: Optional[str], config_name: st
 def typed_strategy_list(flight: Flight) -> None:
     """The job's own overrides (a sweep job's too) say whether it has a plain `strategy=[...]`."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
     from runner.config.compose import keep_typed_selection
 
-    note = keep_typed_selection(flight.cfg, HydraConfig.get().overrides.task)
+    # As typed: an override holding `${...}` is the schema stage's to refuse, not resolved here.
+    typed = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+    note = keep_typed_selection(flight.cfg, typed)
     flight.notes += [note] if note else []
 
 
