@@ -81,8 +81,8 @@ def typed_strategy_list(flight: Flight) -> None:
     from runner.config.compose import keep_typed_selection
 
     # As typed: an override holding `${...}` is the schema stage's to refuse, not resolved here.
-    typed = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
-    note = keep_typed_selection(flight.cfg, typed)
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+    note = keep_typed_selection(flight.cfg, overrides)
     flight.notes += [note] if note else []
 
 
