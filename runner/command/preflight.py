@@ -12,7 +12,7 @@ runner.command.preflight`), and tests/runner/test_preflight.py checks that it is
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
@@ -39,6 +39,7 @@ class Flight:
     model: Any = None  # the user's model built on the meta device (None: its constructor needs real tensors)
     datamodule: Any = None  # the user's data module (None: its constructor needs real tensors)
     start_step: Optional[int] = None  # the step ckpt_path was saved at (None: no ckpt_path)
+    notes: List[str] = field(default_factory=list)  # what the stages before the plan have to say in it
 
     def for_the_job(self) -> "Flight":
         """What the job takes: the checked config, plan and start step (the meta-device model and
@@ -72,6 +73,19 @@ def compose(overrides: Sequence[str], config_dir: Optional[str], config_name: st
                           with_hydra=True)
 
 
+def typed_strategy_list(flight: Flight) -> None:
+    """The job's own overrides (a sweep job's too) say whether it has a plain `strategy=[...]`."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from runner.config.compose import keep_typed_selection
+
+    # As typed: an override holding `${...}` is the schema stage's to refuse, not resolved here.
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+    note = keep_typed_selection(flight.cfg, overrides)
+    flight.notes += [note] if note else []
+
+
 def schema_and_ranges(flight: Flight) -> None:
     from runner.config.checks import check_schema
 
@@ -92,6 +106,7 @@ def plan(flight: Flight) -> None:
     from runner.command.planning import plan_for
 
     flight.plan = plan_for(flight.spec)
+    flight.plan.notes[:0] = flight.notes  # first, as the selection is the plan's first line
 
 
 def world_and_devices(flight: Flight) -> None:
@@ -209,6 +224,10 @@ STAGES = (
           "and keys (with \"did you mean\"), malformed overrides, unknown flags, a bool knob given anything but "
           "true or false; for a sweep, every job of a basic sweep",
           compose, per_job=False),
+    Stage("strategy list, from the command line",
+          "a plain `strategy=[...]` on the command line is the whole selection: a config file's knobs for a "
+          "strategy it leaves out (an experiment's `strategy.amp.dtype`) are dropped, with a note in the plan; a "
+          "knob typed for such a strategy is refused", typed_strategy_list),
     Stage("schema and ranges", "every value against the schema's type, every knob against its range (the "
           "strategy's dataclass in runner/strategies/, runner/config/schema.py), every number finite",
           schema_and_ranges),

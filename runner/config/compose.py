@@ -25,7 +25,7 @@ from omegaconf.nodes import BooleanNode
 from runner import strategies
 from runner.config import hydra_api, schema
 from runner.config.hydra_api import Hydra
-from runner.config.compat import check, load_table
+from runner.config.compat import check, load_table, strategies_from_argv
 from runner.core.paths import CONF_DIR, EXPERIMENTS_DIR
 from runner.core.errors import ConfigError, Refusal, first_line, require
 
@@ -105,6 +105,31 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
         with open_dict(cfg):
             del cfg["hydra"]
     return cfg
+
+
+def keep_typed_selection(cfg: DictConfig, overrides: Sequence[str]) -> Optional[str]:
+    """A plain `strategy=[...]` among `overrides` is the whole selection. The selection is the
+    strategies cfg.strategy holds, and a config file's knobs for a strategy (an experiment's
+    `strategy: {amp: {dtype: ...}}`) compose that strategy back in even when the command line's
+    list leaves it out: such knobs are dropped here, and the note that says so is returned. A knob
+    typed on the command line for a strategy left out is refused, as it is without an experiment."""
+    typed = strategies_from_argv(overrides)
+    if typed is None:
+        return None
+    for override in overrides:
+        knob = override.lstrip("+").partition("=")[0]
+        if re.match(r"^strategy\.\w+\.", knob) and knob.split(".")[1] not in typed:
+            raise _not_selected(knob)
+    dropped = [name for name, node in cfg.strategy.items() if node is not None and name not in typed]
+    for name in dropped:
+        cfg.strategy[name] = None
+    if not dropped:
+        return None
+    # Adding to the list would be refused beside a strategy the table runs alone (auto).
+    lonely = sorted(load_table().alone.intersection(typed))
+    keep = f"{lonely[0]} is used alone" if lonely else f"add {', '.join(dropped)} to the list to keep them"
+    return (f"strategy=[{','.join(typed)}] on the command line is the whole selection: the config files' settings "
+            f"for {', '.join(dropped)} are dropped ({keep})")
 
 
 def require_booleans(cfg: DictConfig, hydra: Hydra, overrides: Sequence[str]) -> None:

@@ -103,6 +103,22 @@ def test_dry_run_prints_the_plan_and_writes_nothing(lightfleet, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_typed_strategy_list_over_an_experiment_is_the_plans_whole_selection(lightfleet, tmp_path):
+    done = lightfleet("experiment=resnet_amp_recompute", "strategy=[recompute]", "dry_run=true")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "strategies: recompute"
+    assert "note: strategy=[recompute] on the command line is the whole selection: the config files' settings for " \
+           "amp are dropped (add amp to the list to keep them)\n" in done.stdout
+    assert "precision:" not in done.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_a_knob_of_a_strategy_left_out_of_the_typed_list_is_refused_before_torch(lightfleet):
+    command = ("experiment=resnet_amp_recompute", "strategy=[recompute]", "strategy.amp.dtype=float16", "dry_run=true")
+    assert_one_line_error(lightfleet(*command), "strategy.amp.dtype: strategy amp is not selected")
+    assert decide_in_process(*command, heavy=HEAVY) == ""
+
+
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(lightfleet, tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.command import preflight
+from runner.command import cli, preflight
+from runner.config.compose import CONFIG_NAME
+from runner.core.errors import ConfigError
+from tests.helpers.data_files import token_file
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # A user's model that notes every construction and the device its parameters are on.
@@ -29,7 +32,8 @@ def test_docs_list_the_stages_in_order():
 
 def test_the_stages_run_in_the_order_the_design_names():
     assert preflight.stage_names() == [
-        "table, from the command line", "compose", "schema and ranges", "cross-field rules", "table", "plan",
+        "table, from the command line", "compose", "strategy list, from the command line", "schema and ranges",
+        "cross-field rules", "table", "plan",
         "world and devices", "targets and the model on the meta device", "the model on one batch",
         "the plan on the model", "checkpoint",
         "directories"]
@@ -80,3 +84,60 @@ def test_the_model_is_built_on_the_meta_device_once_per_command(lightfleet, coun
     done = lightfleet("-m", "model._target_=counted.CountedMLP", "seed=0,1", *QUICK, timeout=600)
     assert done.returncode == 0, done.stderr
     assert count_builds(counted_model) == {"cpu": 2, "meta": 2}  # once per job
+
+
+def checked(*overrides: str) -> preflight.Flight:
+    """The command's job stages on these overrides, in this process, as for a single run."""
+    return preflight.check_job(preflight.compose(list(overrides), None, CONFIG_NAME))
+
+
+def typed_list_note(typed: str, dropped: str, why: str) -> str:
+    return f"strategy=[{typed}] on the command line is the whole selection: the config files' settings for " \
+           f"{dropped} are dropped ({why})"
+
+
+def test_a_typed_strategy_list_drops_the_experiments_knobs_of_the_strategies_left_out():
+    # resnet_amp_recompute selects amp and recompute and sets amp's dtype: the user's list is the whole selection.
+    nothing = checked("experiment=resnet_amp_recompute", "strategy=[]")
+    assert nothing.plan.strategies == [] and nothing.spec.cfg.strategy.amp is None
+    assert nothing.plan.notes == [typed_list_note("", "amp", "add amp to the list to keep them")]
+    recompute = checked("experiment=resnet_amp_recompute", "strategy=[recompute]")
+    assert recompute.plan.strategies == ["recompute"]
+    assert recompute.plan.notes[0] == typed_list_note("recompute", "amp", "add amp to the list to keep them")
+    # The experiment's knobs of a strategy in the list are kept (lars's exclusions; Fleet's default excludes none).
+    lars = checked("experiment=resnet_amp_recompute_lars", "strategy=[recompute,lars]")
+    assert sorted(lars.plan.strategies) == ["lars", "recompute"]
+    assert lars.spec.strategies["lars"].exclude_from_weight_decay == ["bn", "bias"]
+    assert lars.plan.notes[0] == typed_list_note("recompute,lars", "amp", "add amp to the list to keep them")
+
+
+def test_without_a_typed_list_the_experiment_selects_as_it_says():
+    flight = checked("experiment=resnet_amp_recompute")
+    assert flight.plan.strategies == ["amp", "recompute"] and flight.spec.strategies["amp"].dtype == "bfloat16"
+    assert not any("whole selection" in note for note in flight.plan.notes)
+
+
+def test_a_typed_auto_over_an_experiment_is_auto_alone(tmp_path):
+    files = [f"data.{split}_bin={token_file(tmp_path / f'{split}.bin', 4_000)}" for split in ("train", "val")]
+    flight = checked("experiment=gpt2_124m", "strategy=[auto]", *files, "model.d_model=64", "model.n_layers=2",
+                     "model.n_heads=4", "data.seq_len=64", "fast_path.compile=false")
+    assert flight.plan.strategies == ["auto"]
+    assert flight.plan.notes[0] == typed_list_note("auto", "amp, gradient_merge", "auto is used alone")
+
+
+@pytest.mark.parametrize("experiment", [(), ("experiment=resnet_amp_recompute",)], ids=["alone", "experiment"])
+def test_a_knob_typed_for_a_strategy_left_out_of_the_typed_list_is_refused(experiment):
+    with pytest.raises(ConfigError, match=r"^strategy.amp.dtype: strategy amp is not selected; add it to "
+                                          r"strategy=\[...\] to set its knobs$"):
+        checked(*experiment, "strategy=[recompute]", "strategy.amp.dtype=float16")
+
+
+def test_each_sweep_job_is_its_own_typed_list(capsys):
+    assert cli.check_sweep(["experiment=resnet_amp_recompute", "strategy=[],[recompute]", "dry_run=true"], None,
+                           CONFIG_NAME) is None  # a dry run: each job's plan printed
+    jobs = capsys.readouterr().out.split("--- job ")[1:]
+    assert [job.splitlines()[:2] for job in jobs] == [
+        ["0: experiment=resnet_amp_recompute strategy=[] dry_run=True", "strategies: (none)"],
+        ["1: experiment=resnet_amp_recompute strategy=[recompute] dry_run=True", "strategies: recompute"]]
+    assert f"note: {typed_list_note('', 'amp', 'add amp to the list to keep them')}" in jobs[0]
+    assert f"note: {typed_list_note('recompute', 'amp', 'add amp to the list to keep them')}" in jobs[1]
