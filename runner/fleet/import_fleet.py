@@ -239,6 +239,8 @@ def import_fleet(source: Path, experiment: Path) -> Tuple[List[str], str]:
     experiment.write_text(experiment_text(imported, source, experiment, found))
     notes = [f"import-fleet: warning: unknown Fleet fields skipped: {', '.join(unknown)}"] if unknown else []
     notes += [f"import-fleet: Fleet's default: {line}" for line in imported.fleet_defaults]
-    notes += [f"import-fleet: not mapped: {line}" for line in imported.not_mapped] + found
+    notes += [f"import-fleet: not mapped: {line}" for line in imported.not_mapped]
+    # The file is written either way: these say why it would not run as it is, not that the import failed.
+    notes += [f"import-fleet: written, but it will not run as it is: {problem}" for problem in found]
     marked = " (marked: it needs a choice)" if found else ""
     return notes, f"wrote {experiment}{marked}; run: {run_command(experiment)}"

@@ -237,7 +237,8 @@ def test_import_train_and_export_through_the_command(lightfleet, tmp_path):
 def test_a_strategy_that_would_not_run_is_written_marked(tmp_path, capsys, text, problem):
     experiment = import_text(tmp_path, text)
     out, err = capsys.readouterr()
-    assert f"lightfleet: {problem}" in err.splitlines()
+    assert f"lightfleet: import-fleet: written, but it will not run as it is: {problem}" in err.splitlines()
+    assert not [line for line in err.splitlines() if line.startswith("lightfleet: refused")]
     assert "(marked: it needs a choice)" in out
     lines = experiment.read_text().splitlines()
     assert lines[:2] == ["# @package _global_", f"# NEEDS A CHOICE before it runs: {problem}"]
