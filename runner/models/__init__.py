@@ -101,9 +101,7 @@ CHANNELS_LAST = ("auto", "true", "false")
 class ChannelsLast(pl.LightningModule):
     """A convolution model's memory format: channels-last weights and input images where
     `channels_last` says so (auto: on CUDA, where cuDNN's convolutions run faster in it and a
-    plain loop uses it, and on a CPU under 16-bit precision, where oneDNN's 16-bit convolutions
-    run some 7x faster in it than in the default layout; not on a CPU in float32, where the
-    default layout is the faster). The images are converted once on the device, as each batch
+    plain loop uses it; not on CPUs). The images are converted once on the device, as each batch
     arrives (Lightning's on_after_batch_transfer), before any forward sees them."""
 
     channels_last: str
@@ -116,7 +114,7 @@ class ChannelsLast(pl.LightningModule):
     def uses_channels_last(self, device: torch.device) -> bool:
         if self.channels_last != "auto":
             return self.channels_last == "true"
-        return device.type == "cuda" or str(self.trainer.precision).startswith(("16", "bf16"))
+        return device.type == "cuda"
 
     @override
     def setup(self, stage: str) -> None:
@@ -212,7 +210,7 @@ class ResNetClassifier(ChannelsLast, ClassifierModule):
     """Small ResNet on images [B, in_channels, H, W] -> logits [B, num_classes].
 
     One stage per entry of `widths`; every stage after the first halves the resolution.
-    `channels_last`: the memory format (ChannelsLast; auto: on CUDA, and on a CPU in 16 bits).
+    `channels_last`: the memory format (ChannelsLast; auto: on CUDA only).
     """
 
     def __init__(

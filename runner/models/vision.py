@@ -45,7 +45,7 @@ class VisionClassifier(ChannelsLast, ClassifierModule):
 
     The optimizer and schedule default to the Fleet collective guide's ResNet-50 setup (momentum
     SGD, 0.9, with a linear warm-up and a decay); `label_smoothing` is optional.
-    `channels_last`: the memory format (runner.models.ChannelsLast; auto: on CUDA, and on a CPU in 16 bits).
+    `channels_last`: the memory format (runner.models.ChannelsLast; auto: on CUDA only).
     """
 
     def __init__(
