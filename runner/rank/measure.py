@@ -10,6 +10,9 @@ On a GPU the host runs ahead of the device and blocks only where something synch
 between two host hooks is device time, not the loader's. The loader is timed inside its fetch
 (LoaderClock), and on CUDA the device's own idle time between batches (DeviceGaps) says whether
 that loading held the device up.
+
+(Over 400 lines on purpose: the meter, the loader clock and the device gaps share one step
+timeline and its pause/resume points; split apart, each would re-derive the others' step state.)
 """
 from __future__ import annotations
 
