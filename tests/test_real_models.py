@@ -2,15 +2,18 @@
 generated PNGs, and transformers' GPT-2 and Llama (shrunk) on nanoGPT token files made with
 numpy (tests/helpers/data_files.py:field_files); alone, and Llama with tensor parallel (the strategies of
 the table train these models in tests/test_combinations.py); a resume from the middle of an epoch
-that ends bit for bit where the run ended, for each data of files; the reference experiments."""
+that ends bit for bit where the run ended, for each data of files; the reference experiments' CPU recipes."""
 from __future__ import annotations
 
 import csv
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers.commands import PROJECT_ROOT
 from tests.helpers.data_files import gpt2_on_text, gpt2_on_tokens, resnet_on_images
 from tests.helpers.resume import checkpoint_overrides, resumes_exactly
 
@@ -65,22 +68,46 @@ def test_a_resume_from_the_middle_of_an_epoch_ends_bit_for_bit(data, field_files
     resumes_exactly(lightfleet, tmp_path, "full", step)
 
 
-# The reference experiments as shipped, shrunk by overrides as their comments say.
-EXPERIMENTS = {
-    "gpt2_124m": lambda files: [f"data.train_bin={files / 'train.bin'}", f"data.val_bin={files / 'val.bin'}",
-                                "model.vocab_size=128", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-                                "data.seq_len=32", "strategy.gradient_merge.k_steps=2", "model.warmup_steps=2",
-                                "fast_path.compile=false"],
-    "resnet50_fleet_collective": lambda files: [f"data.root={files / 'images'}", "model.arch=resnet18",
-                                                "model.num_classes=2", "data.image_size=32", "data.num_workers=1",
-                                                "model.warmup_steps=2"],
-}
+# The reference experiments' recipes for a CPU: the command each file's "Shrunk for a CPU" comment
+# shows, run as it is on the field's files, its placeholders filled in.
+EXPERIMENTS = PROJECT_ROOT / "experiments"
+CPU_RECIPE = "# Shrunk for a CPU"
 
 
-@pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_the_reference_experiments_run_shrunk_on_files(experiment, field_files, lightfleet, tmp_path):
-    done = lightfleet(f"experiment={experiment}", *EXPERIMENTS[experiment](field_files), "trainer.max_steps=4",
-                      "trainer.val_check_interval=2", "paths.output_dir=run", *QUIET)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = yaml.safe_load((tmp_path / "run" / "results.yaml").read_text())
-    assert results["global_step"] == 4 and "val_loss" in results
+def cpu_recipes() -> dict:
+    """{experiment: its CPU recipe's command}: the `#   lightfleet ` line after the recipe's heading
+    and the `#     ` lines that continue it."""
+    recipes = {}
+    for path in sorted(EXPERIMENTS.glob("*.yaml")):
+        lines = path.read_text().splitlines()
+        heading = next((index for index, line in enumerate(lines) if line.startswith(CPU_RECIPE)), None)
+        if heading is None:
+            continue
+        start = next(index for index in range(heading, len(lines)) if lines[index].startswith("#   lightfleet "))
+        end = next(index for index in range(start + 1, len(lines)) if not lines[index].startswith("#     "))
+        recipes[path.stem] = " ".join(line.lstrip("# ") for line in lines[start:end])
+    return recipes
+
+
+def test_every_cpu_recipe_of_the_experiments_learns_and_validates(field_files, lightfleet, tmp_path):
+    # The token files as a user makes them, and the vocabulary size prepare-data prints for the recipe.
+    prepared = lightfleet("prepare-data", str(field_files / "corpus"), "--tokenizer", str(field_files / "tokenizer.json"),
+                          "-o", "tokens", "--val-fraction", "0.1")
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    placeholders = {"TOKENS": str(tmp_path / "tokens"), "VOCAB": re.search(r"model\.vocab_size=(\d+)", prepared.stdout)[1],
+                    "IMAGES": str(field_files / "images"), "CLASSES": "2"}
+    recipes = cpu_recipes()
+    assert sorted(recipes) == ["gpt2_124m", "resnet50_fleet_collective"]
+    for experiment, command in recipes.items():
+        filled = re.sub(r"\b(%s)\b" % "|".join(placeholders), lambda word: placeholders[word[1]], command)
+        args = shlex.split(filled)
+        assert args[:2] == ["lightfleet", f"experiment={experiment}"], command
+        # One torch thread: the suite shares 2 cores among 2 workers, where more threads spin-wait.
+        done = lightfleet(*args[1:], f"paths.output_dir={experiment}", *QUIET, "collective.execution_strategy.num_threads=1")
+        assert done.returncode == 0, (experiment, done.stderr[-3000:])
+        results = yaml.safe_load((tmp_path / experiment / "results.yaml").read_text())
+        max_steps = int(re.search(r"trainer\.max_steps=(\d+)", command)[1])
+        assert results["global_step"] == max_steps and "val_loss" in results, (experiment, results)
+        losses = train_losses(tmp_path / experiment)
+        first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+        assert last < 0.8 * first, f"{experiment}: loss did not fall: {first:.3f} -> {last:.3f}"
