@@ -11,6 +11,10 @@ from runner.records.jobs import Job
 from runner.records.table import by_throughput, significant
 
 NO_THROUGHPUT = "no finished job reports samples/s"
+EDGE_ROOM = 1.2  # the memory plot's axes end this factor beyond its largest point
+# The loss curves' styles by job number: a (line, marker) pair repeats after 8 jobs, with the colour after 40.
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
 def pareto_front(points: Dict[str, Tuple[float, float]]) -> List[str]:
@@ -61,14 +65,18 @@ def draw_throughput_memory(axes: Any, jobs: Sequence[Job]) -> None:
     if not measured:
         return note(axes, f"{NO_THROUGHPUT} and peak memory")
     axes.scatter(*zip(*measured.values()), label="job")
-    for label, point in measured.items():
-        axes.annotate(label, point, textcoords="offset points", xytext=(5, 5), fontsize=8)
+    # From zero: a zoomed axis makes a few MB of noise look like differences between the jobs; a
+    # fifth beyond the largest, so that no point sits on an edge, its circle and label cut off.
+    memories, speeds = zip(*measured.values())
+    axes.set_xlim(0, EDGE_ROOM * max(memories))
+    axes.set_ylim(0, EDGE_ROOM * max(speeds))
+    for label, (memory, speed) in measured.items():
+        leftwards = memory > 0.5 * max(memories)  # a label on the right half reads towards the middle
+        axes.annotate(label, (memory, speed), textcoords="offset points", xytext=(-5 if leftwards else 5, 5),
+                      ha="right" if leftwards else "left", fontsize=8)
     front = pareto_front(measured)
     axes.plot(*zip(*(measured[label] for label in front)), color="C3", marker="o", markersize=11,
               fillstyle="none", label="Pareto front (no job faster with no more memory)")
-    # From zero: a zoomed axis makes a few MB of noise look like differences between the jobs.
-    axes.set_xlim(left=0)
-    axes.set_ylim(bottom=0)
     axes.legend(fontsize=8)
 
 
@@ -77,8 +85,12 @@ def draw_loss_curves(axes: Any, jobs: Sequence[Job]) -> None:
     logged = [job for job in jobs if job.loss_curve]
     if not logged:
         return note(axes, "no job logged train_loss" + ("" if any(job.finished for job in jobs) else ": no finished job"))
-    for job in logged:
-        axes.plot(*zip(*job.loss_curve), label=job.label, marker="o", markersize=3)  # a one-point curve shows
+    for index, job in enumerate(logged):
+        # A style of its own and hollow markers: a curve drawn over an identical one leaves it visible.
+        same = next((other.label for other in logged[:index] if other.loss_curve == job.loss_curve), None)
+        axes.plot(*zip(*job.loss_curve), label=job.label if same is None else f"{job.label}, the same curve as {same}",
+                  linestyle=LINE_STYLES[index % len(LINE_STYLES)], marker=MARKERS[index % len(MARKERS)],
+                  markersize=5, fillstyle="none")  # marked: a one-point curve shows
     axes.legend(fontsize=8)
 
 

@@ -213,6 +213,42 @@ def test_the_memory_plot_puts_memory_across_and_throughput_up(tmp_path):
     pyplot.close(figure)
 
 
+def test_the_memory_plot_keeps_its_points_and_labels_off_the_edges(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    # Close in memory, as runs of one model are: autoscaling put the largest on the edges.
+    jobs = [read_job(make_job(tmp_path / name, samples_per_s=rate, peak_memory_mb=memory), name)
+            for name, rate, memory in (("plain", 17.4, 885.0), ("amp", 8.8, 871.0), ("recompute", 16.0, 880.0))]
+    figure, axes = pyplot.subplots()
+    draw_throughput_memory(axes, jobs)
+    (left, right), (bottom, top) = axes.get_xlim(), axes.get_ylim()
+    for x, y in axes.collections[0].get_offsets().tolist():
+        assert left < x < right - 0.1 * (right - left) and bottom < y < top - 0.1 * (top - bottom), (x, y, right, top)
+    # A label of a point on the right half reads leftwards from it, inside the axes.
+    assert {text.get_text(): text.get_horizontalalignment() for text in axes.texts} == {
+        "plain (none)": "right", "amp (none)": "right", "recompute (none)": "right"}
+    pyplot.close(figure)
+
+
+def test_identical_loss_curves_stay_apart_by_style_and_say_so_in_the_legend(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    jobs = [read_job(make_job(tmp_path / name, samples_per_s=1.0), name) for name in ("a", "b", "c")]
+    (tmp_path / "c" / "csv" / "metrics.csv").write_text("epoch,step,train_loss\n0,9,1.5\n0,19,1.0\n")
+    jobs[2] = read_job(tmp_path / "c", "c")
+    figure, axes = pyplot.subplots()
+    draw_loss_curves(axes, jobs)
+    styles = [(line.get_color(), line.get_linestyle(), line.get_marker()) for line in axes.lines]
+    assert len({style[1:] for style in styles}) == 3 and len(set(styles)) == 3  # apart even in one colour
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == [
+        "a (none)", "b (none), the same curve as a (none)", "c (none)"]
+    pyplot.close(figure)
+
+
 def test_the_bars_read_as_plain_numbers_and_a_one_point_loss_curve_shows(tmp_path):
     import matplotlib
     matplotlib.use("Agg")
