@@ -87,9 +87,15 @@ def typed_strategy_list(flight: Flight) -> None:
 
 
 def schema_and_ranges(flight: Flight) -> None:
-    from runner.config.checks import check_schema
+    from runner.config.arguments import check_given
+    from runner.config.checks import check_schema, resolved
+    from runner.config.values import check_node
 
     flight.spec = check_schema(flight.cfg)
+    run = resolved(flight.spec.cfg)
+    for key in ("model", "data"):
+        check_given(key, run.get(key) or {})
+        check_node(key, run.get(key) or {})
 
 
 def cross_field_rules(flight: Flight) -> None:
@@ -229,7 +235,9 @@ STAGES = (
           "strategy it leaves out (an experiment's `strategy.amp.dtype`) are dropped, with a note in the plan; a "
           "knob typed for such a strategy is refused", typed_strategy_list),
     Stage("schema and ranges", "every value against the schema's type, every knob against its range (the "
-          "strategy's dataclass in runner/strategies/, runner/config/schema.py), every number finite",
+          "strategy's dataclass in runner/strategies/, runner/config/schema.py), every number finite; the built-in model's and data's counts, sizes and paths "
+          "(runner/config/values.py: a batch size of 0, a missing data.root) and their mandatory values given, before "
+          "torch is imported",
           schema_and_ranges),
     Stage("cross-field rules", "parameter_server.mode=geo becomes localsgd, the two-level allreduce sets hybrid "
           "sharding's degrees (each against an explicit setting), evaluate needs ckpt_path, test excludes the "
