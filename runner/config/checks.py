@@ -15,7 +15,7 @@ from runner import strategies
 from runner.config import schema
 from runner.config.compose import explain
 from runner.core.errors import ConfigError, first_line, require
-from runner.core.world import World
+from runner.core.world import World, devices_for
 
 
 @dataclass
@@ -140,7 +140,8 @@ def as_hybrid_sharding(collective: schema.CollectiveConfig, merged: DictConfig) 
     groups = inner * sharding.mp_degree * sharding.pp_degree
     world_size = world.known_size("collective.use_hierarchical_allreduce")
     require(world_size % groups == 0, key, inner,
-            f"sharding groups of {inner} rank(s) (x mp_degree x pp_degree) must divide the {world_size} processes")
+            f"sharding groups of {inner} rank(s) (x mp_degree x pp_degree) must divide the {world_size} processes: "
+            f"set {devices_for(-(-world_size // groups) * groups, world.num_nodes)}, or groups that divide {world_size}")
     degrees = {"degree": inner, "dp_degree": world_size // groups}
     for name, value in degrees.items():
         default = getattr(type(OmegaConf.to_object(sharding))(), name)
