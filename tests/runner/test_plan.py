@@ -14,6 +14,7 @@ from runner.core.contribution import Component, Contribution
 from runner.core.errors import ConfigError, Refusal
 from runner.core.paths import EXPERIMENTS_DIR
 from runner.core.plan import AFTER_USER, PHASES, Plan, format_plan, make_plan
+from runner.config.checks import check_validation_interval
 from runner.config.schema import TrainerConfig
 from runner.strategies.amp import AmpConfig
 from runner.strategies.gradient_merge import GradientMergeConfig
@@ -159,6 +160,32 @@ def test_pipeline_keeps_validation_on_and_refuses_lightning_accumulation():
 def test_a_run_of_the_wrong_process_count_names_the_devices_that_fix_it(spec_for, overrides, fix):
     with pytest.raises(ConfigError, match=fix):
         plan_for(spec_for(*overrides))
+
+
+@pytest.mark.parametrize("overrides, largest", [
+    (["experiment=quickstart", "trainer.devices=2"], 16),  # 2048 samples, 64 a batch: 16 batches a process
+    (["trainer.devices=4", "data.num_train=100", "data.batch_size=8"], 4),  # 25 samples a process: 3 batches and 1
+    (["trainer.limit_train_batches=10"], 10),
+    (["trainer.limit_train_batches=0.5", "trainer.devices=2"], 8),
+    (["experiment=gpt_pipeline_1f1b"], 64),  # both processes are one pipeline: one data-parallel reader
+])
+def test_a_validation_interval_is_at_most_the_batches_each_process_reads_per_epoch(spec_for, overrides, largest):
+    def check(interval: int, *more: str) -> None:
+        spec = spec_for(*overrides, f"trainer.val_check_interval={interval}", *more)
+        check_validation_interval(spec, plan_for(spec).data_parallel_size)
+
+    check(largest)
+    with pytest.raises(ConfigError, match=rf"^trainer.val_check_interval={largest + 1}: more than the {largest} "
+                                          rf"training batches .*: at most {largest}, or "):
+        check(largest + 1)
+    check(largest + 1, "trainer.check_val_every_n_epoch=null")  # counted across epochs
+    check(largest + 1, "trainer.limit_val_batches=0")  # no validation
+
+
+def test_a_validation_interval_is_left_to_lightning_where_the_data_config_does_not_say_the_epoch(spec_for):
+    spec = spec_for("model=causal_lm", "data=tokens", "data.train_bin=a.bin", "data.val_bin=b.bin",
+                    "trainer.val_check_interval=100000")
+    check_validation_interval(spec, plan_for(spec).data_parallel_size)
 
 
 def test_sharding_with_pipeline_shards_optimizer_states_over_the_pipeline_replicas():
