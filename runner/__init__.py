@@ -7,7 +7,7 @@ own folder and the layers below it (tests/test_layers.py holds the code to LAYER
                  contribution to the plan, its answers for auto. Pure; the package is the registry.
     config/      the run's schema, the allowed-combination table, Hydra composition (Hydra's private
                  API in hydra_api alone), the checks of a composed config and the arguments of its
-                 `_target_` nodes.
+                 `_target_` nodes, the built-in models' and data's counts, sizes and paths (values).
     records/     the run directory: its files, how a job ended, and `lightfleet report` over them.
     fleet/       Fleet's strategy files: the prototxt message, import and export.
     models, data the built-in LightningModules and DataModules (beside plugins/, the Lightning
@@ -31,4 +31,4 @@ LAYERS = (
 )
 # What imports neither torch, Lightning, Hydra nor OmegaConf: a refused command never loads them.
 PURE = ("core", "strategies", "config.schema", "config.collective", "config.fast_path", "config.compat",
-        "config.knobs")
+        "config.knobs", "config.values")

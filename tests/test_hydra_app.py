@@ -224,6 +224,7 @@ def test_more_gpus_than_cuda_sees_is_refused_before_any_process(lightfleet, tmp_
     done = lightfleet("trainer=gpu", f"trainer.devices={gpus + 1}") if gpus else lightfleet("trainer=gpu")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert f"this machine has {gpus} CUDA device(s)" in done.stderr if gpus else "no CUDA device" in done.stderr
+    assert f"set trainer.devices={gpus} or fewer per node" in done.stderr if gpus else "use cpu or auto" in done.stderr
     assert list(tmp_path.iterdir()) == []
 
 

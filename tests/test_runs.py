@@ -47,9 +47,17 @@ def test_single_process_run_learns(lightfleet, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = assert_run_dir(tmp_path / "run", ranks=1)
     assert results["global_step"] == 60 and results["val_acc"] > 0.6
-    assert f"val_loss {results['val_loss']:.4g} (at step {results['val_step']})" in done.stdout  # validated at 30
+    assert f"val_loss {results['val_loss']:.4g} (at step {results['val_step']})" in done.stdout  # validated at 48
     assert read(tmp_path / "run" / "config.yaml")["paths"]["output_dir"] == str(tmp_path / "run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_the_quickstart_trains_in_two_processes_validating_where_one_process_does(lightfleet, tmp_path):
+    done = lightfleet("experiment=quickstart", "trainer.devices=2", "paths.output_dir=run",
+                      "trainer.enable_progress_bar=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = assert_run_dir(tmp_path / "run", ranks=2)
+    assert (results["global_step"], results["val_step"]) == (60, 48) and results["val_acc"] > 0.6
 
 
 def test_two_processes_share_one_run_dir(lightfleet, tmp_path):

@@ -56,7 +56,7 @@ def check_devices(trainer: TrainerConfig, world: World) -> None:
     if on_gpus and isinstance(devices, list) and not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
         raise ConfigError("trainer.devices", devices, f"{has}; ids go from 0 to {gpus - 1}")
     if on_gpus and isinstance(world.devices, int) and world.devices > gpus:
-        raise ConfigError("trainer.devices", world.devices, f"{has}; ask for at most {gpus} per node")
+        raise ConfigError("trainer.devices", world.devices, f"{has}; set trainer.devices={gpus} or fewer per node")
 
 
 @contextmanager

@@ -87,9 +87,15 @@ def typed_strategy_list(flight: Flight) -> None:
 
 
 def schema_and_ranges(flight: Flight) -> None:
-    from runner.config.checks import check_schema
+    from runner.config.arguments import check_given
+    from runner.config.checks import check_schema, resolved
+    from runner.config.values import check_node
 
     flight.spec = check_schema(flight.cfg)
+    run = resolved(flight.spec.cfg)
+    for key in ("model", "data"):
+        check_given(key, run.get(key) or {})
+        check_node(key, run.get(key) or {})
 
 
 def cross_field_rules(flight: Flight) -> None:
@@ -104,8 +110,10 @@ def table(flight: Flight) -> None:
 
 def plan(flight: Flight) -> None:
     from runner.command.planning import plan_for
+    from runner.config.checks import check_validation_interval
 
     flight.plan = plan_for(flight.spec)
+    check_validation_interval(flight.spec, flight.plan.data_parallel_size)
     flight.plan.notes[:0] = flight.notes  # first, as the selection is the plan's first line
 
 
@@ -229,7 +237,9 @@ STAGES = (
           "strategy it leaves out (an experiment's `strategy.amp.dtype`) are dropped, with a note in the plan; a "
           "knob typed for such a strategy is refused", typed_strategy_list),
     Stage("schema and ranges", "every value against the schema's type, every knob against its range (the "
-          "strategy's dataclass in runner/strategies/, runner/config/schema.py), every number finite",
+          "strategy's dataclass in runner/strategies/, runner/config/schema.py), every number finite; the built-in model's and data's counts, sizes and paths "
+          "(runner/config/values.py: a batch size of 0, a missing data.root) and their mandatory values given, before "
+          "torch is imported",
           schema_and_ranges),
     Stage("cross-field rules", "parameter_server.mode=geo becomes localsgd, the two-level allreduce sets hybrid "
           "sharding's degrees (each against an explicit setting), evaluate needs ckpt_path, test excludes the "
@@ -239,7 +249,9 @@ STAGES = (
     Stage("plan", "the strategies' contributions combined: one claim per exclusive slot, trainer arguments "
           "against the user's, degrees against the world size, the collective knobs against the trainer, "
           "pipeline schedules against the backend and gradient clipping, the fast path against the strategies "
-          "(compile, the fused optimizer) and the device (the attention kernel)", plan),
+          "(compile, the fused optimizer) and the device (the attention kernel); a count in "
+          "trainer.val_check_interval against the training batches each data-parallel process reads per epoch, "
+          "where the data's config says how many (the built-in synthetic data)", plan),
     Stage("world and devices", "multi-node rendezvous variables; the accelerator and devices this machine "
           "has (GPU count and ids, device ids on CPU)", world_and_devices),
     Stage("targets and the model on the meta device", "the model and the data are a LightningModule and a "

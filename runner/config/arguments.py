@@ -48,12 +48,10 @@ def check_arguments(key: str, node: Any) -> None:
     parameters = signature.parameters
     hints = annotations(factory)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    check_given(key, node)
     for name, value in node.items():
         if name in HYDRA_KEYS:
             continue
-        if value == "???":  # OmegaConf's mandatory value: a conf that ships without it (data=tokens' files)
-            raise ConfigError(f"{key}.{name}", None, f"is required: set {key}.{name}=... on the command line "
-                                                     f"or in an experiment")
         if name not in parameters and not takes_any:
             raise ConfigError.unknown_key(f"{key}.{name}", [p for p in parameters if p not in ("self", "args", "kwargs")])
         hint = hints.get(name, typing.Any)
@@ -68,6 +66,15 @@ def check_arguments(key: str, node: Any) -> None:
     for name, value in node.items():
         for inner_key, inner in nested_targets(f"{key}.{name}", value):
             check_arguments(inner_key, inner)
+
+
+def check_given(key: str, node: Dict[str, Any]) -> None:
+    """No value of the node is OmegaConf's mandatory `???`: a conf that ships without it (data=tokens'
+    files) names what to set."""
+    for name, value in node.items():
+        if value == "???":
+            raise ConfigError(f"{key}.{name}", None, f"is required: set {key}.{name}=... on the command line "
+                                                     f"or in an experiment")
 
 
 def nested_targets(key: str, value: Any) -> List[Tuple[str, Dict[str, Any]]]:

@@ -15,7 +15,7 @@ from runner import strategies
 from runner.config import schema
 from runner.config.compose import explain
 from runner.core.errors import ConfigError, first_line, require
-from runner.core.world import World
+from runner.core.world import World, devices_for
 
 
 @dataclass
@@ -89,6 +89,31 @@ def apply_cross_field_rules(spec: RunSpec) -> None:
             "lightfleet eval RUN strategy.pipeline=null trainer.devices=1 ckpt_path=model.pt")
 
 
+def check_validation_interval(spec: RunSpec, data_parallel_size: Optional[int]) -> None:
+    """A count in trainer.val_check_interval counts training batches within an epoch (unless
+    trainer.check_val_every_n_epoch=null counts them across epochs), and Lightning refuses one
+    above the batches each process reads per epoch, in every rank once the ranks have started.
+    Refused here where the data's config says how many that is: the built-in synthetic data's
+    num_train samples, shared out over the data-parallel processes (as DistributedSampler does,
+    the last share padded), in batches of batch_size (the last one short)."""
+    trainer, data = spec.trainer, spec.cfg.data
+    interval, num_train, batch_size = trainer.val_check_interval, data.get("num_train"), spec.batch_size
+    within_epochs = (isinstance(interval, int) and not isinstance(interval, bool)
+                     and trainer.check_val_every_n_epoch is not None and trainer.limit_val_batches not in (0, 0.0)
+                     and not trainer.overfit_batches and not trainer.fast_dev_run)
+    epoch_known = (str(data.get("_target_")).startswith("runner.data.") and isinstance(num_train, int)
+                   and bool(batch_size) and bool(data_parallel_size))
+    if not (within_epochs and epoch_known):
+        return
+    batches = math.ceil(math.ceil(num_train / data_parallel_size) / batch_size)
+    limit = trainer.limit_train_batches
+    epoch = batches if limit is None else min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    require(interval <= epoch, "trainer.val_check_interval", interval,
+            f"more than the {epoch} training batches each of the {data_parallel_size} data-parallel process(es) "
+            f"reads per epoch (data.num_train={num_train} in batches of data.batch_size={batch_size}): at most "
+            f"{epoch}, or trainer.check_val_every_n_epoch=null to count batches across epochs")
+
+
 def require_finite(key: str, node: Any) -> None:
     """Every number of a knob dataclass is finite: inf or nan is refused, naming the knob."""
     if is_dataclass(node):
@@ -140,7 +165,8 @@ def as_hybrid_sharding(collective: schema.CollectiveConfig, merged: DictConfig) 
     groups = inner * sharding.mp_degree * sharding.pp_degree
     world_size = world.known_size("collective.use_hierarchical_allreduce")
     require(world_size % groups == 0, key, inner,
-            f"sharding groups of {inner} rank(s) (x mp_degree x pp_degree) must divide the {world_size} processes")
+            f"sharding groups of {inner} rank(s) (x mp_degree x pp_degree) must divide the {world_size} processes: "
+            f"set {devices_for(-(-world_size // groups) * groups, world.num_nodes)}, or groups that divide {world_size}")
     degrees = {"degree": inner, "dp_degree": world_size // groups}
     for name, value in degrees.items():
         default = getattr(type(OmegaConf.to_object(sharding))(), name)

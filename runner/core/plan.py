@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from runner.core.contribution import Component, Contribution, RunShape, Strategy, no_cuda
 from runner.core.errors import Refusal
-from runner.core.world import World
+from runner.core.world import Layout, World
 
 EXCLUSIVE_SLOTS = ("precision", "lightning_strategy", "optimizer", "comm_hook")
 # The order model transforms run in, all once the process group exists (in the model's
@@ -66,6 +66,17 @@ class Plan:
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+    @property
+    def data_parallel_size(self) -> Optional[int]:
+        """How many processes read different batches: the replicas of the layout the Lightning
+        strategy is given (sharding's, the pipeline's), else every process (None: not known before
+        Lightning resolves trainer.devices=auto)."""
+        layout = self.lightning_strategy.component.kwargs.get("layout") if self.lightning_strategy else None
+        if layout is not None:
+            return Layout(**layout).data_parallel_size
+        size = self.world["world_size"]
+        return size if isinstance(size, int) else None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":

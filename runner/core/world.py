@@ -44,6 +44,13 @@ class World:
         return asdict(self)
 
 
+def devices_for(processes: int, num_nodes: int) -> str:
+    """The override that gives a run on `num_nodes` nodes `processes` processes: trainer.devices
+    per node, or one node where the nodes cannot share them evenly."""
+    per_node, left = divmod(processes, num_nodes)
+    return f"trainer.devices={per_node}" if per_node and not left else f"trainer.devices={processes} trainer.num_nodes=1"
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the processes split, outermost first: rank = ((r * S + s) * P + p) * T + t for
@@ -78,15 +85,18 @@ class Layout:
 
 
 def layout(world_size: int, *, dp_replicate: int = 1, dp_shard: Optional[int] = None, pp: int = 1,
-           tp: int = 1) -> Layout:
-    """The layout of `world_size` processes; `dp_shard=None` takes the processes left over. The
-    product must be the world size (the error names Fleet's knobs, which set these degrees)."""
+           tp: int = 1, num_nodes: int = 1) -> Layout:
+    """The layout of `world_size` processes on `num_nodes` nodes; `dp_shard=None` takes the
+    processes left over. The product must be the world size (the error names Fleet's knobs, which
+    set these degrees, and the trainer.devices that fits them)."""
     others = dp_replicate * pp * tp
     shard = dp_shard if dp_shard is not None else max(1, world_size // others)
     product = others * shard
     require(product == world_size, "strategy.sharding.degree", shard,
             f"dp_degree x degree x mp_degree x pp_degree = {dp_replicate} x {shard} x {tp} x {pp} = "
-            f"{product}, but the run has {world_size} process(es)")
+            f"{product}, but the run has {world_size} process(es): set "
+            f"{devices_for(product, num_nodes)}, or degrees whose "
+            f"product is {world_size}")
     return Layout(dp_replicate=dp_replicate, dp_shard=shard, pp=pp, tp=tp)
 
 

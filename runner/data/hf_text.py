@@ -24,7 +24,7 @@ from typing import List, Optional
 import numpy as np
 from typing_extensions import override
 
-from runner.core.errors import require_at_least
+from runner.config.values import check_values
 from runner.data.prepare import (DTYPES, Documents, TextTokenizer, encoded, load_tokenizer, open_documents,
                                   token_dtype, validation_mask)
 from runner.data.tokens import TokenArray, TokenWindowData, TokenWindows, require_window
@@ -52,8 +52,7 @@ class HFTextData(TokenWindowData):
         num_workers: int = 0,
         pin_memory: bool = True,
     ) -> None:
-        require_at_least(1, seq_len=seq_len, batch_size=batch_size)
-        require_at_least(0, num_workers=num_workers)
+        check_values(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers)
         text_tokenizer = load_tokenizer(tokenizer, eos_token)
 
         def documents(split: str, knob: str) -> Documents:

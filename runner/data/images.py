@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from runner.core.errors import require_at_least
+from runner.config.values import check_values
 from runner.data.loading import stateful_loader
 from runner.data.order import EpochAtFirstDraw, replicas, run_seed
 
@@ -95,14 +95,12 @@ class ImageFolderData(pl.LightningDataModule):
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ) -> None:
-        require_at_least(1, image_size=image_size, batch_size=batch_size, prefetch_factor=prefetch_factor)
-        require_at_least(0, num_workers=num_workers)
+        check_values(root=root, image_size=image_size, batch_size=batch_size, num_workers=num_workers,
+                     prefetch_factor=prefetch_factor)
         if not 0 < min_crop_scale <= 1:
             raise ValueError(f"min_crop_scale={min_crop_scale}: must be in (0, 1]")
         super().__init__()
         self.root = Path(root).expanduser()
-        if not self.root.is_dir():
-            raise ValueError(f"root={root}: no such folder (train/ and val/ folders of class folders under it)")
         from torchvision import transforms
 
         normalize = [transforms.ToTensor(), transforms.Normalize(list(mean), list(std))]

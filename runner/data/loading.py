@@ -13,6 +13,8 @@ import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from runner.config.values import check_values
+
 # num_workers=auto on CUDA: at most this many workers per process, leaving the process a core of
 # its own (torchvision's and Lightning's examples run 4 to 16 per GPU; in-memory data needs few).
 AUTO_WORKERS = 4
@@ -20,8 +22,9 @@ Workers = Union[int, str]  # a count, or "auto"
 
 
 def check_workers(num_workers: Workers) -> None:
-    if num_workers != "auto" and not (isinstance(num_workers, int) and num_workers >= 0):
+    if num_workers != "auto" and not isinstance(num_workers, int):
         raise ValueError(f"num_workers={num_workers}: must be a number >= 0 or auto")
+    check_values(num_workers=num_workers)
 
 
 def on_cuda(trainer: Optional[pl.Trainer]) -> bool:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, List, NamedTuple, Optional
 import numpy as np
 import yaml
 
+from runner.config.values import RULES
 from runner.core.errors import ConfigError, exit_on_user_error, first_line
 
 TRAIN_BIN, VAL_BIN, META_YAML = "train.bin", "val.bin", "meta.yaml"
@@ -70,10 +71,10 @@ def load_tokenizer(path: str, eos_token: Optional[str] = None) -> TextTokenizer:
     """The tokenizer at `path`: a tokenizer.json of the tokenizers library, or a directory that
     transformers' AutoTokenizer loads (local files only: nothing is downloaded). Its end-of-text
     token is `eos_token`, else its own (a directory's eos_token), else the first of EOS_TOKENS it has."""
+    missing = RULES["tokenizer"].refusal(path)
+    if missing:
+        raise BadInput("tokenizer", path, missing)
     location = Path(path).expanduser()
-    if not location.exists():
-        raise BadInput("tokenizer", path, "no such file or directory (a tokenizer.json of the tokenizers library, "
-                       "or a directory AutoTokenizer loads; nothing is downloaded)")
     if location.is_file():
         from tokenizers import Tokenizer
 
@@ -132,10 +133,10 @@ def open_documents(paths: Sequence[str], text_column: str, split: str, split_kno
     names it in a refusal)."""
     files: List[Path] = []
     for path in paths:
+        missing = RULES["path"].refusal(path)
+        if missing:
+            raise BadInput("path", path, missing)
         location = Path(path).expanduser()
-        if not location.exists():
-            raise BadInput("path", path, "no such file or directory (text, parquet or jsonl files, a directory of "
-                           "them, or a directory a Hugging Face dataset was saved to)")
         if (location / "dataset_dict.json").is_file() or (location / "state.json").is_file():
             if len(paths) > 1:
                 raise BadInput("path", path, "a saved Hugging Face dataset is read alone: give it as the only input")

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from runner.core.errors import require_at_least
+from runner.config.values import check_values
 from runner.data.loading import Workers, check_workers, stateful_loader
 from runner.data.order import EpochAtFirstDraw, replicas, run_seed
 
@@ -28,7 +28,7 @@ class SplitData(pl.LightningDataModule):
     (runner/data/loading.py: pinned batches and, with num_workers=auto, loader workers on CUDA)."""
 
     def __init__(self, batch_size: int, seed: int, num_workers: Workers, pin_memory: bool) -> None:
-        require_at_least(1, batch_size=batch_size)
+        check_values(batch_size=batch_size)
         check_workers(num_workers)
         super().__init__()
         self.batch_size = batch_size
@@ -97,8 +97,8 @@ class SyntheticClassificationData(SplitData):
         num_workers: Workers = "auto",
         pin_memory: bool = True,
     ) -> None:
-        require_at_least(1, num_classes=num_classes, num_train=num_train, num_val=num_val, num_test=num_test,
-                         **{f"input_shape[{i}]": size for i, size in enumerate(input_shape)})
+        check_values(input_shape=input_shape, num_classes=num_classes, num_train=num_train, num_val=num_val,
+                     num_test=num_test)
         super().__init__(batch_size, seed, num_workers, pin_memory)
         self.input_shape = tuple(input_shape)  # YAML gives a list
         self.num_classes = num_classes
@@ -144,8 +144,7 @@ class SyntheticLanguageModelData(SplitData):
         num_workers: Workers = "auto",
         pin_memory: bool = True,
     ) -> None:
-        require_at_least(1, vocab_size=vocab_size, seq_len=seq_len, num_train=num_train, num_val=num_val,
-                         num_test=num_test)
+        check_values(vocab_size=vocab_size, seq_len=seq_len, num_train=num_train, num_val=num_val, num_test=num_test)
         super().__init__(batch_size, seed, num_workers, pin_memory)
         self.vocab_size = vocab_size
         self.seq_len = seq_len

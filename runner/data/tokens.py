@@ -23,7 +23,7 @@ import yaml
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
-from runner.core.errors import require_at_least
+from runner.config.values import check_values
 from runner.data.loading import stateful_loader
 from runner.data.order import replicas, run_seed
 from runner.data.prepare import DTYPES, META_YAML
@@ -34,10 +34,8 @@ WINDOWS = ("random", "sequential")
 def check_token_file(name: str, path: str, dtype: str, seq_len: int) -> int:
     """The number of tokens in the file at `path`; ValueError("name=path: why") when it cannot
     serve windows of seq_len + 1 tokens (the command names the config key)."""
+    check_values(**{name: path})
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(f"{name}={path}: no such file (a flat file of {dtype} token ids, as "
-                         f"`lightfleet prepare-data` writes)")
     size, itemsize = file.stat().st_size, np.dtype(DTYPES[dtype]).itemsize
     if size % itemsize:
         raise ValueError(f"{name}={path}: {size} bytes is not a whole number of {dtype} tokens ({itemsize} bytes "
@@ -211,8 +209,8 @@ class TokenFileData(TokenWindowData):
         pin_memory: bool = True,
         vocab_size: Optional[int] = None,
     ) -> None:
-        require_at_least(1, seq_len=seq_len, batch_size=batch_size)
-        require_at_least(0, num_workers=num_workers)
+        check_values(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers,
+                     samples_per_epoch=samples_per_epoch, vocab_size=vocab_size)
         meta = token_file_meta(train_bin)
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype={dtype}: must be one of {', '.join(DTYPES)}")
@@ -224,8 +222,6 @@ class TokenFileData(TokenWindowData):
             raise ValueError(f"windows={windows}: must be one of {', '.join(WINDOWS)}")
         splits = {"train_bin": train_bin, "val_bin": val_bin, **({"test_bin": test_bin} if test_bin else {})}
         self.num_tokens = {name: check_token_file(name, path, dtype, seq_len) for name, path in splits.items()}
-        if samples_per_epoch is not None:
-            require_at_least(1, samples_per_epoch=samples_per_epoch)
         # nanoGPT's epoch: as many random windows as the file has consecutive ones.
         super().__init__(seq_len, windows, samples_per_epoch or self.num_tokens["train_bin"] // (seq_len + 1),
                          batch_size, num_workers, pin_memory, vocab_size or meta.get("vocab_size"))

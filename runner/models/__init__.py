@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from typing_extensions import override
 
+from runner.config.values import check_values
 from runner.core.errors import require_at_least
 
 # A torch optimizer class with its hyper-parameters bound, waiting for the parameters:
@@ -37,7 +38,7 @@ class ClassifierModule(pl.LightningModule):
 
     def __init__(self, optimizer: Optional[OptimizerFactory] = None, warmup_steps: int = 0, lr_decay: str = "none",
                  min_lr_ratio: float = 0.0, label_smoothing: float = 0.0) -> None:
-        require_at_least(0, warmup_steps=warmup_steps)
+        check_values(warmup_steps=warmup_steps)
         if lr_decay not in LR_DECAYS:
             raise ValueError(f"lr_decay={lr_decay}: must be one of {', '.join(LR_DECAYS)}")
         if not 0 <= min_lr_ratio <= 1 or not 0 <= label_smoothing < 1:
@@ -166,8 +167,7 @@ class MLPClassifier(ClassifierModule):
         num_classes: int = 4,
         optimizer: Optional[OptimizerFactory] = None,
     ) -> None:
-        require_at_least(1, input_dim=input_dim, hidden_dim=hidden_dim, num_classes=num_classes)
-        require_at_least(0, num_blocks=num_blocks)
+        check_values(input_dim=input_dim, hidden_dim=hidden_dim, num_blocks=num_blocks, num_classes=num_classes)
         super().__init__(optimizer)
         self.stem = nn.Linear(input_dim, hidden_dim)
         self.blocks = nn.ModuleList(ResidualMLPBlock(hidden_dim) for _ in range(num_blocks))
@@ -222,8 +222,8 @@ class ResNetClassifier(ChannelsLast, ClassifierModule):
         channels_last: Any = "auto",
         optimizer: Optional[OptimizerFactory] = None,
     ) -> None:
-        require_at_least(1, in_channels=in_channels, num_classes=num_classes, blocks_per_stage=blocks_per_stage,
-                         stages=len(widths), **{f"widths[{i}]": width for i, width in enumerate(widths)})
+        check_values(in_channels=in_channels, num_classes=num_classes, widths=widths, blocks_per_stage=blocks_per_stage)
+        require_at_least(1, stages=len(widths))
         super().__init__(optimizer)
         self.set_channels_last(channels_last)
         self.stem = nn.Sequential(conv_bn(in_channels, widths[0], 3), nn.ReLU())
@@ -296,7 +296,7 @@ class GPTDecoder(ClassifierModule):
         n_layers: int = 2,
         optimizer: Optional[OptimizerFactory] = None,
     ) -> None:
-        require_at_least(1, vocab_size=vocab_size, seq_len=seq_len, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+        check_values(vocab_size=vocab_size, seq_len=seq_len, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model}: must be a multiple of n_heads={n_heads}")
         super().__init__(optimizer)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from typing_extensions import override
 
-from runner.core.errors import require_at_least
+from runner.config.values import check_values
 from runner.models import ClassifierModule, OptimizerFactory
 
 FAMILIES = ("gpt2", "llama")
@@ -75,8 +75,7 @@ class CausalLM(ClassifierModule):
     ) -> None:
         if family not in FAMILIES:
             raise ValueError(f"family={family}: must be one of {', '.join(FAMILIES)}")
-        require_at_least(1, vocab_size=vocab_size, seq_len=seq_len, d_model=d_model, n_layers=n_layers,
-                         n_heads=n_heads)
+        check_values(vocab_size=vocab_size, seq_len=seq_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads)
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model}: must be a multiple of n_heads={n_heads}")
         super().__init__(optimizer, warmup_steps, lr_decay, min_lr_ratio)

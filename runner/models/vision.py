@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from runner.core.errors import did_you_mean, require_at_least
+from runner.config.values import check_values
+from runner.core.errors import did_you_mean
 from runner.models import ChannelsLast, ClassifierModule, OptimizerFactory
 
 
@@ -32,10 +33,8 @@ def torchvision_model(arch: str, num_classes: int, weights_path: Optional[str]) 
                          f"torchvision.models.list_models() lists them")
     model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     if weights_path is not None:
-        path = Path(weights_path).expanduser()
-        if not path.is_file():
-            raise ValueError(f"weights_path={weights_path}: no such file (a state dict saved with torch.save)")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        check_values(weights_path=weights_path)
+        state = torch.load(Path(weights_path).expanduser(), map_location="cpu", weights_only=True)
         model.load_state_dict(state.get("state_dict", state) if isinstance(state, dict) else state)
     return model
 
@@ -61,7 +60,7 @@ class VisionClassifier(ChannelsLast, ClassifierModule):
         min_lr_ratio: float = 0.0,
         label_smoothing: float = 0.0,
     ) -> None:
-        require_at_least(1, num_classes=num_classes, image_size=image_size)
+        check_values(num_classes=num_classes, image_size=image_size)
         super().__init__(optimizer, warmup_steps, lr_decay, min_lr_ratio, label_smoothing)
         self.set_channels_last(channels_last)
         self.arch, self.image_size = arch, image_size

@@ -7,7 +7,7 @@ from typing import ClassVar, List, Optional
 
 from runner.core.contribution import Component, Contribution, Facts, Memory, RunShape, Strategy
 from runner.core.errors import require
-from runner.core.world import Layout
+from runner.core.world import Layout, devices_for
 
 KEY = "strategy.pipeline."
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
@@ -97,7 +97,6 @@ class PipelineConfig(Strategy):
 
     def check_micro_batches(self, processes: int) -> None:
         """The micro-batch counts torch's schedules can order for a pipeline of this many processes."""
-        require(processes >= 2, "trainer.devices", processes, "pipeline needs >= 2 processes (one per stage)")
         stages = processes * self.vpp_degree
         needed = {"1F1B": processes, "ZBVZeroBubble": stages}.get(self.schedule_mode, 1)
         require(self.accumulate_steps >= needed, KEY + "accumulate_steps", self.accumulate_steps,
@@ -119,6 +118,8 @@ class PipelineConfig(Strategy):
     def contribute(self, run: RunShape) -> Contribution:
         # Alone, the pipeline spans every process; sharding may arrange replicas of it.
         processes = run.layout or Layout(pp=run.world.known_size("pipeline"))
+        require(processes.pp >= 2, "trainer.devices", processes.pp,
+                f"pipeline needs >= 2 processes (one per stage): set {devices_for(2, run.world.num_nodes)}")
         self.check_micro_batches(processes.pp)
         self.check_backend(run)
         micro_batch_size = self.micro_batch(run.batch_size)

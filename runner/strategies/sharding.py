@@ -99,7 +99,7 @@ class ShardingConfig(Strategy):
         else:
             require(self.pp_degree == 1, KEY + "pp_degree", self.pp_degree, "> 1 needs strategy pipeline too")
         return layout(world_size, dp_replicate=self.dp_degree, dp_shard=self.degree, pp=self.pp_degree,
-                      tp=self.mp_degree)
+                      tp=self.mp_degree, num_nodes=run.world.num_nodes)
 
     def contribute(self, run: RunShape) -> Contribution:
         processes = run.layout

@@ -91,6 +91,37 @@ def test_bad_value_in_gradient_merge(lightfleet):
                           "strategy.gradient_merge.k_steps=0: must be >= 1")
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (("data.batch_size=-8",), "data.batch_size=-8: must be >= 1"),
+    (("data.num_workers=-1",), "data.num_workers=-1: must be >= 0"),
+    (("data.input_shape=[32,0]",), "data.input_shape[1]=0: must be >= 1"),
+    (("model.hidden_dim=0",), "model.hidden_dim=0: must be >= 1"),
+    (("data=imagefolder", "data.root=/nonexistent"),
+     "data.root='/nonexistent': no such folder (train/ and val/ folders of class folders under it)"),
+    (("data=imagefolder",), "data.root: is required: set data.root=... on the command line or in an experiment"),
+    (("model=causal_lm", "data=tokens", "data.train_bin=missing.bin", "data.val_bin=missing.bin"),
+     "data.train_bin='missing.bin': no such file (a flat file of uint16 token ids"),
+    (("model=causal_lm", "data=hf_text", "data.path=nowhere", "data.tokenizer=nowhere.json"),
+     "data.path='nowhere': no such file or directory (text, parquet or jsonl files"),
+], ids=["batch_size", "num_workers", "input_shape", "model_size", "imagefolder_root", "root_not_given", "token_file",
+         "hf_text_path"])
+def test_a_bad_count_or_path_of_the_built_in_model_and_data_is_refused_before_torch(lightfleet, overrides, message):
+    """As fast as the table's refusal: neither torch nor Lightning is imported, nothing is built."""
+    assert_one_line_error(lightfleet(*overrides), f"lightfleet: error: {message}")
+    assert decide_in_process(*overrides, heavy=HEAVY) == ""
+
+
+def test_a_validation_interval_longer_than_each_processs_epoch_is_refused_before_lightning(lightfleet):
+    """2048 samples in batches of 64 are 16 batches a process in 2 processes: Lightning would refuse
+    an interval of 30 in every rank once they had started."""
+    command = ("experiment=quickstart", "trainer.devices=2", "trainer.val_check_interval=30")
+    assert_one_line_error(lightfleet(*command), "lightfleet: error: trainer.val_check_interval=30: more than the 16 "
+                          "training batches each of the 2 data-parallel process(es) reads per epoch (data.num_train=2048 "
+                          "in batches of data.batch_size=64): at most 16, or trainer.check_val_every_n_epoch=null to "
+                          "count batches across epochs")
+    assert decide_in_process(*command, heavy=("pytorch_lightning", "lightning_fabric")) == ""
+
+
 @pytest.mark.slow
 def test_dry_run_prints_the_plan_and_writes_nothing(lightfleet, tmp_path):
     done = lightfleet("dry_run=true", "strategy=[amp,recompute,gradient_merge]",

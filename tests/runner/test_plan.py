@@ -14,6 +14,7 @@ from runner.core.contribution import Component, Contribution
 from runner.core.errors import ConfigError, Refusal
 from runner.core.paths import EXPERIMENTS_DIR
 from runner.core.plan import AFTER_USER, PHASES, Plan, format_plan, make_plan
+from runner.config.checks import check_validation_interval
 from runner.config.schema import TrainerConfig
 from runner.strategies.amp import AmpConfig
 from runner.strategies.gradient_merge import GradientMergeConfig
@@ -97,7 +98,8 @@ def test_sharding_degree_defaults_to_the_ranks_left_and_the_product_must_be_the_
     layout = plan.lightning_strategy.component.kwargs["layout"]
     assert (layout["dp_replicate"], layout["dp_shard"], layout["tp"]) == (2, 4, 1)
     with pytest.raises(ConfigError, match=r"^strategy.sharding.degree=3: dp_degree x degree x mp_degree x pp_degree = "
-                                          r"2 x 3 x 1 x 1 = 6, but the run has 8 process\(es\)$"):
+                                          r"2 x 3 x 1 x 1 = 6, but the run has 8 process\(es\): set trainer.devices=3, or "
+                                          r"degrees whose product is 8$"):
         plan_of({"sharding": ShardingConfig(degree=3, dp_degree=2)}, TrainerConfig(devices=4, num_nodes=2))
     with pytest.raises(ConfigError, match=r"^strategy.sharding.degree=1: .* = 3 x 1 x 1 x 1 = 3, but the run has 2"):
         plan_of({"sharding": ShardingConfig(dp_degree=3)}, TrainerConfig(devices=2))
@@ -138,6 +140,52 @@ def test_pipeline_keeps_validation_on_and_refuses_lightning_accumulation():
         plan_of({"pipeline": PipelineConfig(accumulate_steps=1)}, TrainerConfig(devices=2), 32)
     with pytest.raises(ConfigError, match=r"^trainer.devices=1: pipeline needs >= 2 processes"):
         plan_of({"pipeline": PipelineConfig()}, TrainerConfig(devices=1), 32)
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (["strategy=[pipeline]"], r"^trainer.devices=1: pipeline needs >= 2 processes \(one per stage\): set trainer.devices=2$"),
+    (["experiment=gpt_pipeline_1f1b", "trainer.devices=1"], r"^trainer.devices=1: .*: set trainer.devices=2$"),
+    (["strategy=[sharding]", "strategy.sharding.dp_degree=3", "trainer.devices=2"],
+     r"= 3 x 1 x 1 x 1 = 3, but the run has 2 process\(es\): set trainer.devices=3, or degrees whose product is 2$"),
+    (["experiment=gpt_sharding_hybrid", "trainer.devices=2"], r"= 4, but the run has 2 .*: set trainer.devices=4, or "),
+    (["strategy=[sharding]", "strategy.sharding.degree=3", "strategy.sharding.dp_degree=2", "trainer.devices=4",
+      "trainer.num_nodes=2"], r"= 6, but the run has 8 process\(es\): set trainer.devices=3, or "),
+    (["strategy=[sharding]", "strategy.sharding.dp_degree=3", "trainer.num_nodes=2"],
+     r"= 3, but the run has 2 process\(es\): set trainer.devices=3 trainer.num_nodes=1, or "),
+    (["strategy=[sharding]", "collective.use_hierarchical_allreduce=true",
+      "collective.hierarchical_allreduce_inter_nranks=3", "trainer.devices=2"],
+     r"^collective.hierarchical_allreduce_inter_nranks=3: .* must divide the 2 processes: set trainer.devices=3, or "),
+], ids=["pipeline", "pipeline_experiment", "sharding_degrees", "hybrid_experiment", "two_nodes", "nodes_that_cannot_split",
+        "hierarchical_allreduce"])
+def test_a_run_of_the_wrong_process_count_names_the_devices_that_fix_it(spec_for, overrides, fix):
+    with pytest.raises(ConfigError, match=fix):
+        plan_for(spec_for(*overrides))
+
+
+@pytest.mark.parametrize("overrides, largest", [
+    (["experiment=quickstart", "trainer.devices=2"], 16),  # 2048 samples, 64 a batch: 16 batches a process
+    (["trainer.devices=4", "data.num_train=100", "data.batch_size=8"], 4),  # 25 samples a process: 3 batches and 1
+    (["trainer.limit_train_batches=10"], 10),
+    (["trainer.limit_train_batches=0.5", "trainer.devices=2"], 8),
+    (["experiment=gpt_pipeline_1f1b"], 64),  # both processes are one pipeline: one data-parallel reader
+])
+def test_a_validation_interval_is_at_most_the_batches_each_process_reads_per_epoch(spec_for, overrides, largest):
+    def check(interval: int, *more: str) -> None:
+        spec = spec_for(*overrides, f"trainer.val_check_interval={interval}", *more)
+        check_validation_interval(spec, plan_for(spec).data_parallel_size)
+
+    check(largest)
+    with pytest.raises(ConfigError, match=rf"^trainer.val_check_interval={largest + 1}: more than the {largest} "
+                                          rf"training batches .*: at most {largest}, or "):
+        check(largest + 1)
+    check(largest + 1, "trainer.check_val_every_n_epoch=null")  # counted across epochs
+    check(largest + 1, "trainer.limit_val_batches=0")  # no validation
+
+
+def test_a_validation_interval_is_left_to_lightning_where_the_data_config_does_not_say_the_epoch(spec_for):
+    spec = spec_for("model=causal_lm", "data=tokens", "data.train_bin=a.bin", "data.val_bin=b.bin",
+                    "trainer.val_check_interval=100000")
+    check_validation_interval(spec, plan_for(spec).data_parallel_size)
 
 
 def test_sharding_with_pipeline_shards_optimizer_states_over_the_pipeline_replicas():
