@@ -170,13 +170,13 @@ def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: P
     """Trial the candidates that fit in `trial_order` until the search's plan is spent (its length
     scaled to the job unless the user bounds it); the highest measured samples/s wins (rules decide
     when no trial finished). Also how many trials ran."""
-    started, tried = time.monotonic(), 0
     pending = [(number, c) for number, c in enumerate(listed) if c.status == "candidate"]
     total, steps = len(pending), job_steps(spec)
     cost = RunCost.before_trials(time.time() - started_at())
     plan = search_plan(auto, steps, total, cost)
     print(f"auto: {total} candidates fit; {plan.expected} trials planned, {plan_words(plan, auto, steps, cost)}",
           flush=True)
+    started, tried = time.monotonic(), 0  # the budget counts seconds of trials
     timed: List[Tuple[float, int, float]] = []  # the finished trials' (seconds, steps, median step seconds)
     while pending:
         done = [c for c in listed if c.status == "ok"]
