@@ -279,6 +279,8 @@ def test_rules_in_two_processes_train_a_candidate_that_fits_and_best_yaml_reruns
                                                    if "amp" not in row["strategies"])
     assert f"auto (rules): chose {choice['chosen']}: estimated " in done.stdout and "auto: runner-up " in done.stdout
     assert "0.00 GiB" not in done.stdout and "MiB per process" in done.stdout
+    assert re.search(r"^lightfleet: done: 2 steps in [\d.]+ s, .*; auto's rules [\d.]+ s; run directory ", done.stdout,
+                     re.M), done.stdout[-2000:]
     # The global batch stays 32: gradient merging's k micro-batches of 32 / k.
     config = read(tmp_path / "run" / "config.yaml")
     k_steps = choice["strategies"].get("gradient_merge", {}).get("k_steps", 1)
