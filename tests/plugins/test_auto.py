@@ -221,8 +221,8 @@ def test_search_in_two_processes_chooses_measured_and_best_yaml_reruns(lightflee
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^auto: \d+ candidates fit; 2 trials planned, 4 steps each, about \d+ s in all \(an estimate: "
-                     r"\d+ s a trial, its launcher's and then its ranks' start-up, each taken as long as this command's",
-                     done.stdout, re.M)
+                     r"\d+ s a trial, its launcher's and then its ranks' start-up, each taken as long as this "
+                     r"command's", done.stdout, re.M)
     assert all(read(trial / "config.yaml")["trainer"]["max_steps"] == 4
                for trial in (tmp_path / "run" / "auto" / "trials").iterdir())
     assert "set_vital" not in done.stderr and "set_vital" in (tmp_path / "run" / "lightfleet.log").read_text()
@@ -366,8 +366,8 @@ USER_MODEL = '''
 @pytest.mark.slow
 def test_a_failing_candidate_does_not_end_the_search(lightfleet, tmp_path):
     (tmp_path / "user_model.py").write_text(textwrap.dedent(USER_MODEL))
-    done = lightfleet("strategy=[auto]", "~model", "+model._target_=user_model.NoAutocastNet", "strategy.auto.max_trials=4",
-                      "strategy.auto.trial_steps=3", "trainer.max_steps=3", "trainer.enable_progress_bar=false",
+    done = lightfleet("strategy=[auto]", "~model", "+model._target_=user_model.NoAutocastNet",
+                      "strategy.auto.max_trials=4", "strategy.auto.trial_steps=3", "trainer.max_steps=3", "trainer.enable_progress_bar=false",
                       "paths.output_dir=run", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     statuses = {row["strategies"]: row["status"] for row in candidate_rows(tmp_path / "run")}
