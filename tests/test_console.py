@@ -18,7 +18,7 @@ import torch
 from runner.rank.progress import ProgressRelay
 from plugins.ranks import own
 from runner.command import preflight
-from runner.command.console import AboveTheBar, InPlaceBar
+from runner.command.console import AboveTheBar, InPlaceBar, library_warnings_to_log
 from runner.config.compose import CONFIG_NAME
 from runner.rank.train import NotFromLibraries
 from runner.records.run_dir import checkpoint_contents
@@ -127,6 +127,25 @@ def test_the_console_keeps_lightfleets_and_the_users_warnings_and_leaves_the_lib
     assert [line.splitlines()[0].split(": ", 2)[-1] for line in shown] == [
         "the checkpoint holds the random generators of 2 ranks, this run has 1: each starts from the seed",
         "the user's own", "lightfleet's"]
+
+
+def test_the_commands_own_work_leaves_the_libraries_warnings_to_the_log_file(tmp_path, recwarn):
+    """strategy=[auto]'s facts in the command process (torchdata's "'set_vital' is deprecated" as
+    the first batch is drawn): a library's warning into the job's log file only, the user's shown
+    as Python shows warnings (here: recorded by `recwarn`); with verbose, both shown."""
+    job_log_file = logging.FileHandler(tmp_path / "lightfleet.log")
+    logging.getLogger().addHandler(job_log_file)
+    try:
+        for verbose in (False, True):
+            with library_warnings_to_log(verbose):
+                warnings.warn_explicit(f"a library's (verbose={verbose})", UserWarning, torch.__file__, 1)
+                warnings.warn(f"the user's own (verbose={verbose})")
+    finally:
+        logging.getLogger().removeHandler(job_log_file)
+        job_log_file.close()
+    assert [str(said.message) for said in recwarn] == ["the user's own (verbose=False)", "a library's (verbose=True)",
+                                                       "the user's own (verbose=True)"]
+    assert "a library's (verbose=False)" in job_log(tmp_path) and "the user's own" not in job_log(tmp_path)
 
 
 class Terminal(io.StringIO):

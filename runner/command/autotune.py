@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -26,7 +26,9 @@ from plugins.auto import gather_facts
 from runner.rank.build import device_type, instantiate_checked
 from runner.config.compat import load_table
 from runner.config.checks import RunSpec, validate
+from runner.command.console import library_warnings_to_log
 from runner.command.planning import plan_for
+from runner.core.clock import mark_start, started_at
 from runner.core.contribution import Facts
 from runner.core.errors import ConfigError, Refusal
 from runner.core.paths import python_module
@@ -35,8 +37,9 @@ from runner.records.files import (AGAIN, AUTO_DIR, CANDIDATES_CSV, CHOICE_YAML, 
                                   REFUSED, SWEEP_YAML, TRIAL_LOG, TRIALS_DIR, failure_outcome, job_ending)
 from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.strategies import schemas
-from runner.strategies.auto import (AutoConfig, Candidate, Choice, accounts, candidates, contenders, memory_text,
-                                    micro_batch, rules, trial_order, verdict)
+from runner.strategies.auto import (MIN_TRIALS, SEARCH_SHARE, AutoConfig, Candidate, Choice, RunCost, SearchPlan,
+                                    accounts, candidates, contenders, memory_text, micro_batch, rules, scaled,
+                                    search_plan, trial_order, trial_steps, verdict)
 from runner.core.world import World
 
 # What a trial leaves out: it only measures speed and memory.
@@ -47,16 +50,36 @@ MEASURED = ("samples_per_s", "step_time_median_s", "peak_memory_mb")  # of a tri
 CONFIRM_WITHIN = 0.05
 
 
-def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tuple[RunSpec, Plan]]:
+@dataclass
+class Chosen:
+    """The winner's spec and plan, and what choosing took: `seconds` (the facts, the trials, the
+    records) and `trials` (trial runs, second ones included) for the run's done line."""
+
+    spec: RunSpec
+    plan: Plan
+    mode: str
+    seconds: float
+    trials: int
+
+    @property
+    def words(self) -> str:
+        if self.mode == "rules":
+            return f"auto's rules {self.seconds:.1f} s"
+        return f"auto's search {self.seconds:.1f} s, {self.trials} trial{'s' if self.trials != 1 else ''}"
+
+
+def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Chosen]:
     """The winner's spec and plan (None with search_only: chosen, nothing to train). Refused in one
     line (ConfigError) when no candidate fits, before any trial or rank starts."""
+    started = time.monotonic()
     auto: AutoConfig = spec.strategies["auto"]
     facts, listed = facts_and_candidates(spec, auto)
     auto_dir = records / AUTO_DIR
+    trials = 0
     if auto.mode == "rules":
         choice = rules(facts, auto, listed, load_table().allowed)
     else:
-        choice = search(spec, listed, auto, auto_dir, command, facts)
+        choice, trials = search(spec, listed, auto, auto_dir, command, facts)
     chosen = with_strategies(spec, choice.winner.strategies)
     write_records(auto_dir, chosen, auto, facts, listed, choice)
     print("\n".join([*verdict(auto.mode, choice, listed, facts), *reasons(choice),
@@ -64,7 +87,7 @@ def choose(spec: RunSpec, records: Path, command: Sequence[str]) -> Optional[Tup
                      f"lightfleet --config-dir {auto_dir} experiment=best"]), flush=True)
     if auto.search_only:
         return None
-    return chosen, plan_for(chosen)
+    return Chosen(chosen, plan_for(chosen), auto.mode, time.monotonic() - started, trials)
 
 
 def preview(spec: RunSpec) -> str:
@@ -80,10 +103,33 @@ def preview(spec: RunSpec) -> str:
         choice = rules(facts, auto, listed, load_table().allowed)
         return "\n".join([*lines, *verdict(auto.mode, choice, listed, facts), *reasons(choice)])
     fitting = len(contenders(listed, facts, auto))
-    most = fitting if auto.max_trials is None else min(fitting, auto.max_trials)
-    return "\n".join([*lines, f"auto (search): would run trials of up to {most} of the {fitting} candidates that "
-                              f"fit, {auto.trial_steps} steps each, none starting after {auto.budget_s:g} s; "
-                              f"dry_run=true runs none"])
+    cost = RunCost.before_trials(time.time() - started_at())
+    plan = search_plan(auto, job_steps(spec), fitting, cost)
+    return "\n".join([*lines, f"auto (search): would run trials of up to {plan.expected} of the {fitting} candidates "
+                              f"that fit, {plan_words(plan, auto, job_steps(spec), cost)}; dry_run=true runs none"])
+
+
+def job_steps(spec: RunSpec) -> Optional[int]:
+    """The steps the job trains (None: trained by epochs, a number not known before its data is)."""
+    return spec.trainer.max_steps if spec.trainer.max_steps > 0 else None
+
+
+def plan_words(plan: SearchPlan, auto: AutoConfig, steps: Optional[int], cost: RunCost) -> str:
+    """A search plan's trial steps, expected time (said to be an estimate, and from what) and bounds."""
+    if cost.step_s is None:
+        basis = (f"its launcher's and then its ranks' start-up, each taken as long as this command's, "
+                 f"{cost.startup_s / 2:.0f} s; its steps not measured yet")
+    else:
+        basis = f"as the trials so far took: {cost.startup_s:.0f} s to start, {cost.step_s:.3g} s a step"
+    if scaled(auto, steps):
+        bound = (f"trials take at most {SEARCH_SHARE:.0%} of the job's expected training time ({steps} steps, "
+                 f"about {cost.job_seconds(steps):.0f} s), at least {MIN_TRIALS}, none starting after "
+                 f"{plan.budget_s:g} s (strategy.auto.budget_s or max_trials set them)")
+    else:
+        most = f"at most {auto.max_trials} trials (strategy.auto.max_trials), " if auto.max_trials else ""
+        bound = f"{most}none starting after {plan.budget_s:g} s (strategy.auto.budget_s)"
+    return (f"{plan.steps} steps each, about {plan.seconds:.0f} s in all (an estimate: {plan.trial_s:.0f} s a trial, "
+            f"{basis}); {bound}")
 
 
 def fact_text(name: str, value: Any) -> str:
@@ -112,42 +158,58 @@ def run_facts(spec: RunSpec, device_memory_gb: Optional[float]) -> Facts:
     """The facts of this run (plugins/auto.py), planned for trainer.accelerator's device on
     whatever machine plans it (auto: this machine's)."""
     world = World.of(spec.trainer)
-    return gather_facts(lambda: instantiate_checked("model", spec.cfg.model), instantiate_checked("data", spec.cfg.data),
-                        device=device_type(spec.trainer.accelerator), world_size=world.known_size("auto"),
-                        num_nodes=world.num_nodes, batch_size=spec.batch_size, device_memory_gb=device_memory_gb)
+    with library_warnings_to_log(spec.cfg.verbose):  # the first batch's loader: torchdata's deprecation warning
+        return gather_facts(lambda: instantiate_checked("model", spec.cfg.model),
+                            instantiate_checked("data", spec.cfg.data), device=device_type(spec.trainer.accelerator),
+                            world_size=world.known_size("auto"), num_nodes=world.num_nodes,
+                            batch_size=spec.batch_size, device_memory_gb=device_memory_gb)
 
 
 def search(spec: RunSpec, listed: List[Candidate], auto: AutoConfig, auto_dir: Path, command: Sequence[str],
-           facts: Facts) -> Choice:
-    """Trial the candidates that fit in `trial_order` until the budget is spent; the highest
-    measured samples/s wins (rules decide when no trial finished)."""
-    started, tried = time.monotonic(), 0
+           facts: Facts) -> Tuple[Choice, int]:
+    """Trial the candidates that fit in `trial_order` until the search's plan is spent (its length
+    scaled to the job unless the user bounds it); the highest measured samples/s wins (rules decide
+    when no trial finished). Also how many trials ran."""
     pending = [(number, c) for number, c in enumerate(listed) if c.status == "candidate"]
-    total = len(pending)
-    most = f", at most {auto.max_trials} trials (strategy.auto.max_trials)" if auto.max_trials else ""
-    print(f"auto: {total} candidates fit; trials of {auto.trial_steps} steps for up to {auto.budget_s:g} s "
-          f"(strategy.auto.budget_s){most}", flush=True)
+    total, steps = len(pending), job_steps(spec)
+    cost = RunCost.before_trials(time.time() - started_at())
+    plan = search_plan(auto, steps, total, cost)
+    print(f"auto: {total} candidates fit; {plan.expected} trials planned, {plan_words(plan, auto, steps, cost)}",
+          flush=True)
+    started, tried = time.monotonic(), 0  # the budget counts seconds of trials
+    timed: List[Tuple[float, int, float]] = []  # the finished trials' (seconds, steps, median step seconds)
     while pending:
         done = [c for c in listed if c.status == "ok"]
         pending.sort(key=lambda item: trial_order(item[1], done, facts))
         number, c = pending.pop(0)
-        if time.monotonic() - started > auto.budget_s or (auto.max_trials is not None and tried >= auto.max_trials):
+        if time.monotonic() - started > plan.budget_s or (plan.most is not None and tried >= plan.most):
             c.status, c.reason = "not tried", "budget spent"
             continue
         tried += 1
-        print(f"auto: trial {tried}/{total} {c.label}: starting ({time.monotonic() - started:.0f} s of the budget "
+        of = min(total, plan.most or total)
+        print(f"auto: trial {tried}/{of} {c.label}: starting ({time.monotonic() - started:.0f} s of the budget "
               f"spent)", flush=True)
-        run_trial(spec, c, auto, auto_dir / TRIALS_DIR / str(number), command)
+        c.trial_s = run_trial(spec, c, auto, auto_dir / TRIALS_DIR / str(number), command)
         figures = f"{c.measured['samples_per_s']:,.1f} samples/s" if c.status == "ok" else f"{c.status}: {c.reason}"
-        print(f"auto: trial {tried}/{total} {c.label}: {figures}", flush=True)
+        print(f"auto: trial {tried}/{of} {c.label}: {figures} ({c.trial_s:.0f} s)", flush=True)
+        if c.status == "ok" and c.measured.get("step_time_median_s"):
+            timed.append((c.trial_s, plan.steps, c.measured["step_time_median_s"]))
+            cost = RunCost.measured(timed)
+            replanned = search_plan(auto, steps, total, cost)
+            if scaled(auto, steps) and replanned.most != plan.most:  # the job's length now known in seconds
+                more = max(0, replanned.expected - tried) * replanned.trial_s
+                print(f"auto: {replanned.expected} trials planned now, about {more:.0f} s more: "
+                      f"{plan_words(replanned, auto, steps, cost)}", flush=True)
+            plan = replanned
     finished = sorted((c for c in listed if c.status == "ok"), key=lambda c: -c.measured["samples_per_s"])
     if not finished:
         choice = rules(facts, auto, listed, load_table().allowed)
         choice.winner.reason = "no trial finished: the rules' choice"
-        return choice
+        return choice, tried
     if len(finished) >= 2 and within_noise(*finished[:2]):
         finished = confirmed(spec, listed, finished, auto, auto_dir, command)
-    return Choice(finished, faster, accounts(finished, listed, facts, auto, faster, preferred={}, left_out={}))
+        tried += 2
+    return Choice(finished, faster, accounts(finished, listed, facts, auto, faster, preferred={}, left_out={})), tried
 
 
 def within_noise(first: Candidate, second: Candidate) -> bool:
@@ -191,10 +253,13 @@ def refuse_unplannable(spec: RunSpec, c: Candidate) -> None:
             c.status, c.reason = "refused", str(problem)
 
 
-def run_trial(spec: RunSpec, c: Candidate, auto: AutoConfig, trial_dir: Path, command: Sequence[str]) -> None:
+def run_trial(spec: RunSpec, c: Candidate, auto: AutoConfig, trial_dir: Path, command: Sequence[str]) -> float:
     """A short real run of candidate `c` in its own processes; its status and figures go into `c`,
-    and a trial that did not finish records how it ended (failure.yaml), as a run does."""
-    trial = with_strategies(spec, c.strategies, trial_dir=trial_dir, steps=auto.trial_steps)
+    and a trial that did not finish records how it ended (failure.yaml), as a run does. Returns
+    the seconds it took."""
+    started = time.monotonic()
+    mark_start()  # the trial's start-up and wall time (its results.yaml) count from its own start
+    trial = with_strategies(spec, c.strategies, trial_dir=trial_dir, steps=trial_steps(auto, job_steps(spec)))
     create_run_dir(trial.cfg, plan_for(trial), command, trial_dir)
     log = trial_dir / TRIAL_LOG
     with log.open("w") as output, subprocess.Popen([*python_module("runner.command.launch"), str(trial_dir)],
@@ -209,11 +274,12 @@ def run_trial(spec: RunSpec, c: Candidate, auto: AutoConfig, trial_dir: Path, co
     if ending.outcome == FINISHED:
         c.status = "ok"
         c.measured = {key: ending.record.get(key) for key in MEASURED}
-        return
+        return time.monotonic() - started
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     c.reason = lines[-1].strip() if lines else f"exit status {done.returncode}"
     record_failure(trial_dir, done.returncode, c.reason)
     c.status = failure_outcome(c.reason)
+    return time.monotonic() - started
 
 
 def with_strategies(spec: RunSpec, strategies: Dict[str, Dict[str, Any]], trial_dir: Optional[Path] = None,
@@ -241,10 +307,11 @@ def write_records(auto_dir: Path, chosen: RunSpec, auto: AutoConfig, facts: Fact
     with (auto_dir / CANDIDATES_CSV).open("w", newline="") as out:
         table = csv.writer(out)
         table.writerow(["candidate", "strategies", "status", "reason", "micro_batch", "estimated_memory_mib",
-                        "estimated_speed", *MEASURED])
+                        "estimated_speed", *MEASURED, "trial_s"])
         for number, c in enumerate(listed):
             table.writerow([number, c.label, c.status, c.reason, c.micro_batch, round(c.memory.total / 2**20, 2),
-                            round(c.speed, 3), *(c.measured.get(key, "") for key in MEASURED)])
+                            round(c.speed, 3), *(c.measured.get(key, "") for key in MEASURED),
+                            "" if c.trial_s is None else round(c.trial_s, 1)])
     winner = choice.winner
     write_yaml(auto_dir / CHOICE_YAML, {"mode": auto.mode, "chosen": winner.label, "strategies": winner.strategies,
                                         "micro_batch": winner.micro_batch, "reason": winner.reason,

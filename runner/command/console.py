@@ -1,7 +1,8 @@
 """The command's console while its ranks train: rank 0's progress bar, which runner/rank/progress.py
 relays as its latest line into a file, drawn as one line in place below the ranks' other lines.
 On a terminal the line is redrawn as it changes; elsewhere (a pipe, a CI log) it is printed at
-most every PLAIN_EVERY_S seconds, and once at the end."""
+most every PLAIN_EVERY_S seconds, and once at the end. And what stays off the console: the job's
+log file's own records, and the libraries' warnings in the command's own work (auto's facts)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +11,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator, TextIO
 
@@ -123,3 +125,34 @@ def console_handlers() -> list:
                                       if isinstance(logger, logging.Logger))]
     return [handler for logger in loggers for handler in logger.handlers
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)]
+
+
+def to_log_files(record: logging.LogRecord) -> None:
+    """`record` into the job's log file (lightfleet.log, Hydra's job logging) only, not onto the
+    console; nowhere without one (a dry run)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+@contextlib.contextmanager
+def library_warnings_to_log(verbose: bool) -> Iterator[None]:
+    """While inside, in the command process: Python warnings of the libraries go into the job's log
+    file only, as a rank's do (runner/rank/train.py: e.g. torchdata's "'set_vital' is deprecated" as
+    a data loader starts); lightfleet's and the user's code's, and with `verbose` all, onto the console too."""
+    if verbose:
+        yield
+        return
+    from runner.rank.train import from_libraries
+
+    try:
+        with warnings.catch_warnings(record=True) as heard:
+            yield
+    finally:  # what was heard is said, also when the work failed
+        for said in heard:
+            if not from_libraries(said.filename):
+                warnings.showwarning(said.message, said.category, said.filename, said.lineno, said.file, said.line)
+                continue
+            text = warnings.formatwarning(said.message, said.category, said.filename, said.lineno, said.line)
+            to_log_files(logging.getLogger("py.warnings").makeRecord(
+                "py.warnings", logging.WARNING, said.filename, said.lineno, text.rstrip(), (), None))

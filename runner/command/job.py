@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.command import launch
+from runner.command.console import to_log_files
 from runner.command.preflight import Flight, check_job
 from runner.config.checks import RunSpec
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error
@@ -118,6 +119,7 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
 
     from runner.rank.preemption import Preempted
 
+    choosing = ""  # strategy=[auto]'s choice, said apart from the training on the done line
     if "auto" in plan.strategies:  # chosen now, before any rank starts
         from runner.command.autotune import choose
 
@@ -130,7 +132,8 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
             return exit_status(stop.signum)
         if chosen is None:  # strategy.auto.search_only
             return 0
-        spec, plan = chosen
+        spec, plan, choosing = chosen.spec, chosen.plan, f"; {chosen.words}"
+        mark_start()  # the run's start-up and wall time (results.yaml) count from here, the choice's apart
     create_run_dir(spec.cfg, plan, command, records)
     run_dir = Path(spec.cfg.paths.output_dir)
     say(f"{format_plan(plan, everything=False)}\nlightfleet: run directory {run_dir}")
@@ -168,8 +171,8 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
     if ending.outcome == files.FINISHED and spec.cfg.evaluate:
         say(f"lightfleet: evaluated: {metrics_line(ending.record)}; run directory {run_dir}")
     elif ending.outcome == files.FINISHED:  # rank 0's results; a second node's copy of the command has none
-        say(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started, start_step or 0)}; "
-            f"run directory {run_dir}")
+        say(f"lightfleet: done: {summary_line(ending.record, time.monotonic() - started, start_step or 0)}"
+            f"{choosing}; run directory {run_dir}")
         note = input_bound_note(ending.record, spec.cfg.data)
         if note:
             say(note)
@@ -249,18 +252,12 @@ def say(text: str, stream: Optional[TextIO] = None) -> None:
     for the run on the console; the others keep their lines in their own log."""
     if external_rank() == 0:
         print(text, file=stream or sys.stdout, flush=True)
-    record = log.makeRecord(log.name, logging.INFO, __file__, 0, text, (), None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+    to_log_files(log.makeRecord(log.name, logging.INFO, __file__, 0, text, (), None))
 
 
 def log_to_file_only(message: str) -> None:
     """`message` and the traceback being handled, to the job's log file: the console gets one line."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, (), sys.exc_info())
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+    to_log_files(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, (), sys.exc_info()))
 
 
 def last_error_line(logs: Path, local_rank: int) -> str:

@@ -39,8 +39,13 @@ class NotFromLibraries(logging.Filter):
         if record.name.startswith("pytorch_lightning.profilers"):
             return True
         # logging.captureWarnings' records hold the warning as Python prints it: its file first.
-        source = record.getMessage() if record.name == "py.warnings" else record.pathname
-        return source.startswith(OWN_SOURCES) or not source.startswith(LIBRARIES)
+        return not from_libraries(record.getMessage() if record.name == "py.warnings" else record.pathname)
+
+
+def from_libraries(source: str) -> bool:
+    """Whether the file `source` (of a log record or a warning) is an installed library's, not
+    lightfleet's (installed too, from a wheel) nor the user's code."""
+    return source.startswith(LIBRARIES) and not source.startswith(OWN_SOURCES)
 
 
 def log_to_job_log(records: Path, verbose: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -24,6 +25,13 @@ TRIAL_FAILED = ("failed", "out_of_memory")  # rank last in the rules' fallback o
 LOST = {"candidate": "rank lower", "ok": "measured slower", "pruned": "exceed the memory",
         "refused": "refused by the plan", "failed": "failed their trial",
         "out_of_memory": "ran out of memory in their trial", "not tried": "not tried (budget spent)"}
+# The search's length (docs/auto.md): a trial's steps unless strategy.auto.trial_steps says (at most
+# the job's); with strategy.auto.budget_s null, trials take at most SEARCH_SHARE of the job's expected
+# training time, at least MIN_TRIALS (a measured comparison), none starting after BUDGET_CAP_S.
+TRIAL_STEPS = 20
+SEARCH_SHARE = 0.25
+MIN_TRIALS = 2
+BUDGET_CAP_S = 600.0
 
 
 @dataclass
@@ -40,10 +48,14 @@ class AutoConfig(Strategy):
     """search: short measured trials of the candidates that fit, fastest estimate first; the
     highest samples/s wins. rules: no trials: of the candidates that fit, the first by Fleet's
     preferences (amp on GPUs only), then the speed model, then the larger micro-batch."""
-    budget_s: float = 600.0
-    """search: no trial starts after this many seconds of trials."""
-    trial_steps: int = 20
-    """search: optimizer steps per trial; the first measure.warmup_steps are not measured."""
+    budget_s: Optional[float] = None
+    """search: no trial starts after this many seconds of trials (null: none after 600 s and, unless
+    max_trials is set, the search scaled to the job: trials take at most a quarter of its expected
+    training time, its trainer.max_steps at the trials' measured step time plus its ranks' start-up,
+    at least 2 trials; docs/auto.md)."""
+    trial_steps: Optional[int] = None
+    """search: optimizer steps per trial (null: 20, at most the job's trainer.max_steps); the
+    first measure.warmup_steps are not measured."""
     max_trials: Optional[int] = None
     """search: at most this many candidates tried (null: as many as the budget allows); a top two
     within 5% of each other run once more besides."""
@@ -57,8 +69,10 @@ class AutoConfig(Strategy):
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, KEY + "mode", self.mode, f"allowed: {', '.join(MODES)}", MODES)
-        require(self.budget_s > 0, KEY + "budget_s", self.budget_s, "must be > 0")
-        require(self.trial_steps >= 2, KEY + "trial_steps", self.trial_steps, "must be >= 2")
+        require(self.budget_s is None or self.budget_s > 0, KEY + "budget_s", self.budget_s,
+                "must be > 0 (or null: scaled to the job)")
+        require(self.trial_steps is None or self.trial_steps >= 2, KEY + "trial_steps", self.trial_steps,
+                "must be >= 2 (or null: 20, at most the job's steps)")
         require(self.max_trials is None or self.max_trials >= 1, KEY + "max_trials", self.max_trials,
                 "must be >= 1 (or null: no limit)")
         require(self.device_memory_gb is None or self.device_memory_gb > 0, KEY + "device_memory_gb",
@@ -80,6 +94,7 @@ class Candidate:
     status: str = "candidate"  # candidate | pruned | refused | ok | failed | out_of_memory | not tried
     reason: str = ""
     measured: Dict[str, Any] = field(default_factory=dict)
+    trial_s: Optional[float] = None  # its trial's wall time, processes' start-up to end, as the search saw it
 
     @property
     def label(self) -> str:
@@ -228,6 +243,78 @@ def nothing_fits(listed: Sequence[Candidate], facts: Facts) -> str:
             f"> {memory_text(limit)}; to fit: {', '.join(remedies[:-1])} or {remedies[-1]}")
 
 
+@dataclass(frozen=True)
+class RunCost:
+    """What a run of this job is expected to take: its processes' start-up (and end), plus its steps."""
+
+    startup_s: float
+    step_s: Optional[float] = None  # None: no trial has measured a step yet (the steps then count nothing)
+
+    def seconds(self, steps: int) -> float:
+        """A trial's: its processes start in two waves, its launcher, then its ranks side by side."""
+        return self.startup_s + steps * (self.step_s or 0.0)
+
+    def job_seconds(self, steps: int) -> float:
+        """The job's own training: one wave, its ranks (the command that launches them has started)."""
+        return self.startup_s / 2 + steps * (self.step_s or 0.0)
+
+    @classmethod
+    def before_trials(cls, command_startup_s: float) -> RunCost:
+        """Before any trial: each wave taken as long as this command took to start (its imports,
+        the model's facts)."""
+        return cls(2 * command_startup_s)
+
+    @classmethod
+    def measured(cls, trials: Sequence[Tuple[float, int, float]]) -> RunCost:
+        """From finished trials, each (seconds, steps, median step seconds): the median start-up (a
+        trial's seconds less its steps) and the fastest step, the winner's, which the job trains at."""
+        return cls(statistics.median(max(0.0, seconds - steps * step) for seconds, steps, step in trials),
+                   min(step for _, _, step in trials))
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """How long a search runs: `steps` a trial, none starting after `budget_s` seconds of trials,
+    at most `most` trials (None: the budget alone bounds them); `expected` trials of `trial_s` each."""
+
+    steps: int
+    budget_s: float
+    most: Optional[int]
+    expected: int
+    trial_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.expected * self.trial_s
+
+
+def scaled(auto: AutoConfig, job_steps: Optional[int]) -> bool:
+    """Whether the search's length follows the job's: the user bounded it neither in time nor in
+    trials, and the job trains a known number of steps (trainer.max_steps)."""
+    return auto.budget_s is None and auto.max_trials is None and job_steps is not None
+
+
+def trial_steps(auto: AutoConfig, job_steps: Optional[int]) -> int:
+    """A trial's steps: strategy.auto.trial_steps, or TRIAL_STEPS, at most the job's (at least 2)."""
+    return auto.trial_steps or (TRIAL_STEPS if job_steps is None else max(2, min(TRIAL_STEPS, job_steps)))
+
+
+def search_plan(auto: AutoConfig, job_steps: Optional[int], fitting: int, cost: RunCost) -> SearchPlan:
+    """The search's length for a job of `job_steps` steps (None: unknown, trained by epochs) with
+    `fitting` candidates to try at `cost`: the user's budget_s and max_trials win; left null, the
+    trials take at most SEARCH_SHARE of the job's expected training time, at least MIN_TRIALS,
+    none starting after BUDGET_CAP_S."""
+    steps = trial_steps(auto, job_steps)
+    budget = auto.budget_s or BUDGET_CAP_S
+    trial_s = cost.seconds(steps)
+    most = auto.max_trials
+    if scaled(auto, job_steps):
+        most = max(MIN_TRIALS, math.floor(SEARCH_SHARE * cost.job_seconds(job_steps) / trial_s))
+    # Trials start until the budget is spent: the last one may start just before its end.
+    expected = min(fitting, most or fitting, math.floor(budget / trial_s) + 1)
+    return SearchPlan(steps, budget, most, expected, trial_s)
+
+
 # How the chosen candidate compares with another: "by the speed model (0.95 vs 0.80)".
 Comparison = Callable[[Candidate, Candidate], str]
 
@@ -316,7 +403,11 @@ def accounts(ranked: Sequence[Candidate], listed: Sequence[Candidate], facts: Fa
         elif name in left_out:
             why[name] = left_out[name]
         elif best_with is not None:
-            why[name] = f"left out: {winner.label} fits and ranks before {best_with.label} {compare(winner, best_with)}"
+            # Its own candidate's figures first (those of its trial line), then the best with it, if another.
+            alone = next((c for c in ranked if set(c.strategies) == {name}), best_with)
+            why[name] = f"left out: {winner.label} fits and ranks before {alone.label} {compare(winner, alone)}" + (
+                f" and before the best with it, {best_with.label}, {compare(winner, best_with)}"
+                if best_with is not alone else "")
         elif not with_it:  # memory-only: listed only beside what does not fit without it
             why[name] = "left out: the estimate fits without it"
         else:

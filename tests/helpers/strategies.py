@@ -182,7 +182,7 @@ STRATEGIES["auto"] = StrategyTests(
                     "device_memory_gb": Knob(0.5, lambda run: read(run / "auto" / "choice.yaml")["facts"]
                                              ["device_memory_bytes"] / 2**30)}, from_run_dir=True),
         WiringCase({"trial_steps": Knob(3, lambda run: read(trials(run)[0] / "config.yaml")["trainer"]["max_steps"]),
-                    "max_trials": Knob(2, lambda run: len([t for t in trials(run) if not t.name.endswith(AGAIN)])),
+                    "max_trials": Knob(1, lambda run: len([t for t in trials(run) if not t.name.endswith(AGAIN)])),
                     "search_only": Knob(True, lambda run: not (run / "results.yaml").exists()
                                         and (run / "auto" / "experiment" / "best.yaml").is_file())}, from_run_dir=True),
         # A budget spent at once: the first trial starts, no other.

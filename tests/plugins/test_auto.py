@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import re
 import shutil
 import textwrap
+import time
 
 import pytest
 
@@ -16,7 +18,8 @@ from runner.core.contribution import Facts, Memory
 from runner.strategies import schemas
 from runner.core.errors import ConfigError
 from runner.records.files import AGAIN
-from runner.strategies.auto import AutoConfig, candidates, contenders, estimate, fits, memory_text, rules, verdict
+from runner.strategies.auto import (AutoConfig, Candidate, RunCost, accounts, candidates, contenders, estimate,
+                                    fits, memory_text, rules, search_plan, verdict)
 from tests.helpers.strategies import candidate_rows, read
 
 ROWS = load_table().allowed
@@ -166,12 +169,63 @@ def test_sharding_estimate_follows_zero_formulas(stage):
     assert Memory.of(run).total == 16 * p
 
 
+def test_the_search_is_scaled_to_the_job_unless_the_user_bounds_it():
+    """Before any trial a trial is taken as twice the command's start-up; a short job gets the
+    fewest trials (2) of at most its own steps, a long one trials for a quarter of its expected
+    time, none starting after 600 s; the user's trial_steps, max_trials and budget_s win."""
+    before = RunCost.before_trials(15.0)
+    assert before.seconds(20) == 30.0 and before.step_s is None
+    toy = search_plan(AutoConfig(), 40, 20, before)
+    assert (toy.steps, toy.most, toy.expected, toy.seconds) == (20, 2, 2, 60.0)
+    assert search_plan(AutoConfig(), 8, 20, before).steps == 8
+    measured = RunCost.measured([(35.0, 20, 0.25), (29.0, 20, 0.2)])
+    assert (measured.startup_s, measured.step_s) == (27.5, 0.2)  # the median start-up, the fastest step
+    assert (measured.seconds(20), measured.job_seconds(2000)) == (31.5, 413.75)  # the job's ranks start once
+    long_job = search_plan(AutoConfig(), 2000, 20, measured)  # a quarter of 413.75 s: 3 trials of 31.5 s
+    assert (long_job.steps, long_job.most, long_job.expected) == (20, 3, 3)
+    longer = search_plan(AutoConfig(), 200_000, 40, measured)
+    assert longer.expected == 600 // 31.5 + 1 and longer.budget_s == 600  # trials start until 600 s
+    assert search_plan(AutoConfig(), 40, 1, before).expected == 1  # no more than fit
+    by_epochs = search_plan(AutoConfig(), None, 20, before)
+    assert (by_epochs.steps, by_epochs.most, by_epochs.expected) == (20, None, 20)
+    mine = search_plan(AutoConfig(trial_steps=50, max_trials=5), 40, 20, before)
+    assert (mine.steps, mine.most, mine.expected) == (50, 5, 5)
+    timed = search_plan(AutoConfig(budget_s=100.0), 40, 20, before)
+    assert (timed.most, timed.expected, timed.budget_s) == (None, 4, 100.0)
+
+
+def test_a_left_out_strategy_quotes_its_own_candidates_figures_then_the_best_with_it():
+    """amp's reason quotes amp's own trial (the figure its trial line printed), and the best
+    candidate with it, when another (amp+recompute measured faster than amp alone)."""
+    from runner.command.autotune import faster
+
+    measured = {"none": 100.0, "amp": 50.0, "amp+recompute": 60.0, "recompute": 90.0, "sharding": 40.0}
+    listed = [Candidate({name: {} for name in label.split("+")} if label != "none" else {}, Memory(0, 0, 0, 0), 1.0,
+                        status="ok", measured={"samples_per_s": rate}) for label, rate in measured.items()]
+    ranked = sorted(listed, key=lambda c: -c.measured["samples_per_s"])
+    run = facts(world_size=2)
+    why = accounts(ranked, listed, run, AutoConfig(), faster, preferred={}, left_out={})
+    assert why["amp"] == ("left out: none fits and ranks before amp by measured samples/s (100.0 vs 50.0) and before "
+                          "the best with it, amp+recompute, by measured samples/s (100.0 vs 60.0)")
+    assert why["sharding"] == "left out: none fits and ranks before sharding by measured samples/s (100.0 vs 40.0)"
+
+
 @pytest.mark.slow
 def test_search_in_two_processes_chooses_measured_and_best_yaml_reruns(lightfleet, tmp_path):
-    done = lightfleet("strategy=[auto]", "model=gpt", "data=language_model", "trainer.devices=2",
-                      "strategy.auto.max_trials=2", "strategy.auto.trial_steps=4", "trainer.max_steps=4",
+    """Also: by default a search is scaled to its job (4 steps: 2 trials of 4 steps), said with its
+    estimate before it starts; the done line says the training's time apart from the search's;
+    the libraries' warnings in the command's own work (torchdata's on the first batch) stay in the log."""
+    started = time.monotonic()
+    done = lightfleet("strategy=[auto]", "model=gpt", "data=language_model", "trainer.devices=2", "trainer.max_steps=4",
                       "trainer.enable_progress_bar=false", "paths.output_dir=run", timeout=600)
+    elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"^auto: \d+ candidates fit; 2 trials planned, 4 steps each, about \d+ s in all \(an estimate: "
+                     r"\d+ s a trial, its launcher's and then its ranks' start-up, each taken as long as this "
+                     r"command's", done.stdout, re.M)
+    assert all(read(trial / "config.yaml")["trainer"]["max_steps"] == 4
+               for trial in (tmp_path / "run" / "auto" / "trials").iterdir())
+    assert "set_vital" not in done.stderr and "set_vital" in (tmp_path / "run" / "lightfleet.log").read_text()
     rows = candidate_rows(tmp_path / "run")
     measured = [row for row in rows if row["status"] == "ok"]
     assert len(measured) == 2 and all(float(row["samples_per_s"]) > 0 for row in measured)
@@ -188,6 +242,16 @@ def test_search_in_two_processes_chooses_measured_and_best_yaml_reruns(lightflee
     confirmed = "both ran again" in choice["reason"]  # the top two within noise: each tried twice
     with open(tmp_path / "run" / "auto" / "report.csv") as table:
         assert [row["status"] for row in csv.DictReader(table)].count("ok") == (4 if confirmed else 2)
+    # The trials' own times: each measured from its own start (results.yaml), as the search saw it.
+    for row in measured:
+        trial = read(tmp_path / "run" / "auto" / "trials" / row["candidate"] / "results.yaml")
+        assert 0 < trial["startup_s"] < trial["wall_s"] <= float(row["trial_s"])
+    said = re.search(r"^lightfleet: done: 4 steps in ([\d.]+) s, .*; auto's search ([\d.]+) s, (\d) trials; run "
+                     r"directory ", done.stdout, re.M)
+    assert said and int(said[3]) == (4 if confirmed else 2), done.stdout[-2000:]
+    training = read(tmp_path / "run" / "results.yaml")
+    assert float(said[1]) == pytest.approx(training["wall_s"], abs=0.1)  # the training's own, the search apart
+    assert training["wall_s"] + float(said[2]) <= elapsed
     again = lightfleet("--config-dir", str(tmp_path / "run" / "auto"), "experiment=best", "trainer.max_steps=2",
                        "trainer.enable_progress_bar=false", "paths.output_dir=again")
     assert again.returncode == 0, again.stderr[-3000:]
@@ -215,6 +279,8 @@ def test_rules_in_two_processes_train_a_candidate_that_fits_and_best_yaml_reruns
                                                    if "amp" not in row["strategies"])
     assert f"auto (rules): chose {choice['chosen']}: estimated " in done.stdout and "auto: runner-up " in done.stdout
     assert "0.00 GiB" not in done.stdout and "MiB per process" in done.stdout
+    assert re.search(r"^lightfleet: done: 2 steps in [\d.]+ s, .*; auto's rules [\d.]+ s; run directory ", done.stdout,
+                     re.M), done.stdout[-2000:]
     # The global batch stays 32: gradient merging's k micro-batches of 32 / k.
     config = read(tmp_path / "run" / "config.yaml")
     k_steps = choice["strategies"].get("gradient_merge", {}).get("k_steps", 1)
@@ -301,7 +367,7 @@ USER_MODEL = '''
 def test_a_failing_candidate_does_not_end_the_search(lightfleet, tmp_path):
     (tmp_path / "user_model.py").write_text(textwrap.dedent(USER_MODEL))
     done = lightfleet("strategy=[auto]", "~model", "+model._target_=user_model.NoAutocastNet",
-                      "strategy.auto.trial_steps=3", "trainer.max_steps=3", "trainer.enable_progress_bar=false",
+                      "strategy.auto.max_trials=4", "strategy.auto.trial_steps=3", "trainer.max_steps=3", "trainer.enable_progress_bar=false",
                       "paths.output_dir=run", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     statuses = {row["strategies"]: row["status"] for row in candidate_rows(tmp_path / "run")}
