@@ -27,11 +27,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytorch_lightning as pl
 import torch
 import yaml
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runner/ and bench/ when lightfleet is not installed
 from bench.run import paired_ratio, timed  # noqa: E402
 from bench.spawning import machine  # noqa: E402
+from runner.config.compose import compose_config  # noqa: E402
 from runner.core.paths import CONF_DIR  # noqa: E402
 from runner.data import SyntheticLanguageModelData  # noqa: E402
 from runner.rank.measure import peak_flops  # noqa: E402
@@ -157,9 +159,10 @@ class StepWindow(pl.Callback):
 # --------------------------------------------------------------------------- the hand-written sides
 
 
-def adamw_settings() -> Dict[str, float]:
-    """lr and weight decay of conf/model/gpt.yaml's AdamW, which lightfleet's sides train with."""
-    optimizer = yaml.safe_load((CONF_DIR / "model" / "gpt.yaml").read_text())["optimizer"]
+def adamw_settings() -> Dict[str, Any]:
+    """The knobs of conf/model/gpt.yaml's AdamW (its option of conf/model/optimizer/), which
+    lightfleet's sides train with."""
+    optimizer = OmegaConf.to_container(compose_config(["model=gpt"]).model.optimizer)
     return {key: value for key, value in optimizer.items() if not key.startswith("_")}
 
 

@@ -19,9 +19,10 @@ from typing_extensions import override
 from plugins.dgc_compression import index_dtype, select
 from plugins.dgc_state import OPTIMIZER_KEY, DGCState
 from plugins.ranks import gather, own
+from runner.core.contribution import NEEDED_OPTIMIZER
 from runner.core.errors import ConfigError
 
-NEEDS_MOMENTUM_SGD = "dgc needs momentum SGD (torch.optim.SGD with momentum > 0)"
+NEEDS_MOMENTUM_SGD = f"dgc needs {NEEDED_OPTIMIZER['sgd_momentum']}"
 
 
 def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

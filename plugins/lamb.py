@@ -18,6 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from plugins.layerwise import LayerwiseOptimizer, norm_dtype, replace_with
+from runner.core.contribution import NEEDED_OPTIMIZER
 
 
 class LAMB(LayerwiseOptimizer):
@@ -131,6 +132,6 @@ def replace_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, *, lam
     """
     return replace_with(LAMB, optimizer, model, exclude_from_weight_decay,
                         accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),
-                        requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW)",
+                        requirement=f"lamb needs {NEEDED_OPTIMIZER['adam']}",
                         inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay,
                         always_adapt=always_adapt)

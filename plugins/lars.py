@@ -16,6 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from plugins.layerwise import LayerwiseOptimizer, norm_dtype, replace_with
+from runner.core.contribution import NEEDED_OPTIMIZER
 
 
 class LARS(LayerwiseOptimizer):
@@ -92,6 +93,6 @@ def replace_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, *, lar
     accepted = isinstance(optimizer, torch.optim.SGD) and not any(
         group["momentum"] <= 0 for group in optimizer.param_groups)
     return replace_with(LARS, optimizer, model, exclude_from_weight_decay, accepted=accepted,
-                        requirement="lars needs momentum SGD (torch.optim.SGD with momentum > 0)",
+                        requirement=f"lars needs {NEEDED_OPTIMIZER['sgd_momentum']}",
                         inherited=("lr", "momentum"), lars_coeff=lars_coeff, lars_weight_decay=lars_weight_decay,
                         epsilon=epsilon)

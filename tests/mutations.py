@@ -120,12 +120,12 @@ MUTANTS = [
     Mutant("lars-returns-original", "lars", "replace_optimizer returns the user's SGD instead of LARS",
            "plugins/lars.py",
            "    return replace_with(LARS, optimizer, model, exclude_from_weight_decay, accepted=accepted,\n"
-           '                        requirement="lars needs momentum SGD (torch.optim.SGD with momentum > 0)",\n'
+           '                        requirement=f"lars needs {NEEDED_OPTIMIZER[\'sgd_momentum\']}",\n'
            '                        inherited=("lr", "momentum"), lars_coeff=lars_coeff, '
            "lars_weight_decay=lars_weight_decay,\n"
            "                        epsilon=epsilon)\n",
            "    replace_with(LARS, optimizer, model, exclude_from_weight_decay, accepted=accepted,\n"
-           '                 requirement="lars needs momentum SGD (torch.optim.SGD with momentum > 0)",\n'
+           '                 requirement=f"lars needs {NEEDED_OPTIMIZER[\'sgd_momentum\']}",\n'
            '                 inherited=("lr", "momentum"), lars_coeff=lars_coeff, lars_weight_decay=lars_weight_decay,\n'
            "                 epsilon=epsilon)\n"
            "    return optimizer\n",
@@ -146,13 +146,12 @@ MUTANTS = [
            "plugins/lamb.py",
            "    return replace_with(LAMB, optimizer, model, exclude_from_weight_decay,\n"
            "                        accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),\n"
-           '                        requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or '
-           'torch.optim.AdamW)",\n'
+           '                        requirement=f"lamb needs {NEEDED_OPTIMIZER[\'adam\']}",\n'
            '                        inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay,\n'
            "                        always_adapt=always_adapt)\n",
            "    replace_with(LAMB, optimizer, model, exclude_from_weight_decay,\n"
            "                 accepted=isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)),\n"
-           '                 requirement="lamb needs an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW)",\n'
+           '                 requirement=f"lamb needs {NEEDED_OPTIMIZER[\'adam\']}",\n'
            '                 inherited=("lr", "betas", "eps"), lamb_weight_decay=lamb_weight_decay,\n'
            "                 always_adapt=always_adapt)\n"
            "    return optimizer\n",

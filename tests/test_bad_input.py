@@ -21,8 +21,8 @@ from runner.config import collective, schema
 from runner.command.cli import main
 from runner.core.paths import USER_DIR
 
-GROUPS = {"model": "mlp", "data": "classification", "trainer": "cpu", "logger": "csv", "callbacks": "default",
-          "collective": "default", "debug": "fdr", "experiment": "quickstart"}
+GROUPS = {"model": "mlp", "model/optimizer": "adamw", "data": "classification", "trainer": "cpu", "logger": "csv",
+          "callbacks": "default", "collective": "default", "debug": "fdr", "experiment": "quickstart"}
 # What a new user tries: values of the wrong kind, out of Lightning's ranges, devices this
 # machine lacks, paths that cannot be run directories, and syntax Hydra cannot read.
 BY_HAND = [

@@ -60,11 +60,12 @@ def help_text(config_dir: Optional[Path] = None) -> str:
 
 
 def config_groups(config_dir: Optional[Path] = None) -> Dict[str, List[str]]:
-    """The groups of conf/ and of `config_dir` with their options, and the experiments (of
-    experiments/ and config_dir/experiment/), as Hydra's search path joins them."""
+    """The groups of conf/ and of `config_dir` with their options, nested ones (model/optimizer) too,
+    and the experiments (of experiments/ and config_dir/experiment/), as Hydra's search path joins them."""
     folders = [CONF_DIR, *([config_dir] if config_dir else [])]
-    names = sorted({group.name for folder in folders if folder.is_dir() for group in folder.iterdir()
-                    if group.is_dir() and group.name not in ("hydra", "experiment")})
+    names = sorted({group.relative_to(folder).as_posix() for folder in folders if folder.is_dir()
+                    for group in folder.rglob("*")
+                    if group.is_dir() and group.relative_to(folder).parts[0] not in ("hydra", "experiment")})
     groups = {name: options(folder / name for folder in folders) for name in names}
     return {**groups, "experiment": options([EXPERIMENTS_DIR, *(folder / "experiment" for folder in folders)])}
 

@@ -200,7 +200,9 @@ class RunConfig:
     """A whole run: what to train, on what, how, with which strategies, and where outputs go."""
 
     model: Dict[str, Any] = field(default_factory=dict)
-    """The LightningModule: `_target_` (import path) and its constructor arguments."""
+    """The LightningModule: `_target_` (import path) and its constructor arguments; a built-in
+    model's `optimizer` is an option of the group model/optimizer (sgd, adam, adamw, ...:
+    docs/guide.md#the-optimizer), e.g. model/optimizer=adamw."""
     data: Dict[str, Any] = field(default_factory=dict)
     """The LightningDataModule: `_target_` and its constructor arguments."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

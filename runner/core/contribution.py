@@ -95,6 +95,13 @@ class Contribution:
 
 # Optimizer state per parameter, in bytes of float32, by optimizer family (momentum; Adam's two moments).
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "other": 8}
+# The families a strategy's optimizer replacement needs, as its refusal names them: what they are and
+# the option of the built-in models' optimizer group (conf/model/optimizer/) that gives one.
+NEEDED_OPTIMIZER = {
+    "sgd_momentum": "momentum SGD (torch.optim.SGD with momentum > 0); choose it with model/optimizer=sgd",
+    "adam": "an Adam-family optimizer (torch.optim.Adam or torch.optim.AdamW); choose one with "
+            "model/optimizer=adam or model/optimizer=adamw",
+}
 
 
 @dataclass(frozen=True)

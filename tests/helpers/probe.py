@@ -406,14 +406,14 @@ class FailingStep(pl.Callback):
 
 def knobs_of(target: Callable, conf: Optional[Path] = None) -> set:
     """Every knob of a built-in model or data module: its constructor's arguments and the keys of
-    its conf (conf/model/*.yaml, conf/data/*.yaml). A test module's table of knob effects must
-    name each one: a knob added without a test of its own effect fails there."""
+    its conf (conf/model/*.yaml, conf/data/*.yaml; not its Hydra defaults list). A test module's
+    table of knob effects must name each one: a knob added without a test of its own effect fails there."""
     import inspect
 
     from omegaconf import OmegaConf
 
     names = set(inspect.signature(target).parameters)
-    return names | (set(OmegaConf.load(conf)) - {"_target_"} if conf is not None else set())
+    return names | (set(OmegaConf.load(conf)) - {"_target_", "defaults"} if conf is not None else set())
 
 
 def attention_in_plain_matmuls(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

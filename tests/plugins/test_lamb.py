@@ -123,7 +123,8 @@ def test_replacement_keeps_groups_and_the_scheduler_follows():
 
 def test_wrong_base_optimizer_is_refused():
     model = MLPClassifier()
-    allowed = r"lamb needs an Adam-family optimizer \(torch\.optim\.Adam or torch\.optim\.AdamW\)"
+    allowed = (r"lamb needs an Adam-family optimizer \(torch\.optim\.Adam or torch\.optim\.AdamW\); choose one with "
+               r"model/optimizer=adam or model/optimizer=adamw")
     knobs = asdict(LambConfig())
     with pytest.raises(ConfigError, match=rf"^model\.optimizer='SGD': {allowed}$"):
         replace_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model, **knobs)

@@ -95,7 +95,7 @@ def test_replacement_keeps_groups_and_the_scheduler_follows():
 
 def test_wrong_base_optimizer_is_refused():
     model = MLPClassifier()
-    allowed = r"lars needs momentum SGD \(torch\.optim\.SGD with momentum > 0\)"
+    allowed = r"lars needs momentum SGD \(torch\.optim\.SGD with momentum > 0\); choose it with model/optimizer=sgd"
     knobs = asdict(LarsConfig())
     with pytest.raises(ConfigError, match=rf"^model\.optimizer='Adam': {allowed}$"):
         replace_optimizer(torch.optim.Adam(model.parameters()), model=model, **knobs)

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers.probe import attention_in_plain_matmuls, channels_last_knob, knobs_of, optimizer_knob
 from runner.data import SyntheticClassificationData, SyntheticLanguageModelData
+from runner.config.compose import compose_config
 from runner.core.paths import CONF_DIR
 from runner.models import BasicBlock, ClassifierModule, GPTDecoder, MLPClassifier, ResidualMLPBlock, ResNetClassifier
 
@@ -33,7 +34,8 @@ PAIRED_VALUES = [
 
 
 def load(group: str, name: str):
-    return OmegaConf.load(CONF_DIR / group / f"{name}.yaml")
+    """The conf as Hydra composes it: a model's with its optimizer (conf/model/optimizer/)."""
+    return compose_config([f"{group}={name}"])[group]
 
 
 def trainer(**overrides) -> pl.Trainer:
@@ -68,7 +70,7 @@ def test_paired_confs_agree(model_name, data_name, pairs):
 
 @pytest.mark.parametrize("path", sorted((CONF_DIR / "model").glob("*.yaml")), ids=lambda p: p.stem)
 def test_model_conf_instantiates(path):
-    conf = OmegaConf.load(path)
+    conf = load("model", path.stem)
     model = hydra.utils.instantiate(conf)
     assert isinstance(model, ClassifierModule)
     configured = model.configure_optimizers()
