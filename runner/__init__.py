@@ -16,7 +16,7 @@ own folder and the layers below it (tests/test_layers.py holds the code to LAYER
                  (measure, preemption, resume, progress).
     command/     the command process: the preflight (every check, in order), the plans, the CLI, the
                  job, the launch of the ranks, auto's trials; `python -m runner` and `python -m runner.train
-                 RUN_DIR` (a rank's entry point) stand at this level.
+                 RUN_DIR` (a fresh rank's entry point) stand at this level.
 """
 # Bottom to top; names directly under runner/ (a folder or a module), and `plugins`, the sibling package.
 LAYERS = (

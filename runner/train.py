@@ -1,5 +1,8 @@
-"""`python -m runner.train RUN_DIR`: one rank of a run, from the config and plan the command saved
-in RUN_DIR (runner/rank/train.py; runner/command/launch.py starts every rank this way)."""
+"""`python -m runner.train RUN_DIR`: one rank of a run started as a fresh process, from the config
+and plan the command saved in RUN_DIR (runner/rank/train.py). runner/command/launch.py starts ranks
+this way where CUDA is, or where LIGHTFLEET_FRESH_RANKS is set; elsewhere it forks them."""
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -12,3 +15,11 @@ if __name__ == "__main__":
     from runner.rank.train import main
 
     main(Path(sys.argv[1]))
+    # Everything is written (results, checkpoints, loggers finalised). Interpreter teardown would
+    # now destroy torch's C++ communication objects in no set order, and one whose thread is still
+    # joinable aborts the rank ("terminate called without an active exception", seen after
+    # finished FSDP2 and pipeline runs): leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)

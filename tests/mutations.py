@@ -468,6 +468,14 @@ MUTANTS = [
            "runner/rank/measure.py",
            "        if self.clock is None:  # not training yet: an evaluation, or fit's sanity check\n            return\n",
            "", (select("tests/runner/test_measure.py", "evaluation_and"),)),
+    # The ranks forked from the command (runner/command/launch.py).
+    Mutant("fork-after-threads", "launch", "the command computes on many threads before it forks: ranks wait forever",
+           "runner/command/launch.py", "        torch.set_num_threads(1)\n", "",
+           (select("tests/test_forked_ranks.py"),)),
+    Mutant("forked-rank-in-the-commands-session", "launch", "a forked rank stays in the command's session: "
+           "Ctrl-C reaches it twice and it stops without a checkpoint",
+           "runner/rank/parent.py", "    os.setsid()\n", "",
+           (select("tests/test_interrupts.py", "ctrl_c_checkpoints"),)),
 ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import sys
 import threading
@@ -17,6 +18,10 @@ from typing import Iterator, TextIO
 
 POLL_S = 0.1
 PLAIN_EVERY_S = 30.0
+# Held by whoever draws the bar or writes above it, and by the command while it forks a rank
+# (runner/command/launch.py): a rank forked mid-write would inherit the console's stream locked.
+DRAWING = threading.RLock()
+os.register_at_fork(before=DRAWING.acquire, after_in_parent=DRAWING.release, after_in_child=DRAWING.release)
 
 
 class InPlaceBar:
@@ -26,7 +31,7 @@ class InPlaceBar:
         self.stream, self.terminal = stream, stream.isatty()
         self.line, self.shown = "", False
         self.printed, self.printed_at = "", time.monotonic()  # as a line of its own (not in place)
-        self.lock = threading.RLock()
+        self.lock = DRAWING
 
     def show(self, line: str) -> None:
         with self.lock:

@@ -118,9 +118,10 @@ def plan(flight: Flight) -> None:
 
 
 def world_and_devices(flight: Flight) -> None:
-    from runner.command.launch import check_devices
+    from runner.command.launch import check_devices, keep_forkable
 
     world = World(**flight.plan.world)
+    keep_forkable(world)
     check_multi_node(world)
     check_accelerator(flight.spec.trainer.accelerator)
     check_devices(flight.spec.trainer, world)

@@ -7,6 +7,7 @@ started by torchrun or SLURM has no such tie (their launcher stops it).
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -66,3 +67,22 @@ def _watch(command: int, send_sigterm: bool) -> None:
 def _leave(why: str) -> None:
     print(f"lightfleet: {why}; leaving", file=sys.stderr, flush=True)
     os._exit(PREEMPTED)
+
+
+def start_clean() -> None:
+    """In a rank forked from the command: without what the command set up for itself, as a rank
+    started fresh is (runner/rank/train.py forked_rank): the signal handlers of its own and of the
+    elastic agent go back to the defaults (training installs its own: runner/rank/preemption.py),
+    the console streams to the process's own (not the command's bar), and the root logger to no
+    handlers (the rank adds its own: runner/rank/train.py log_to_job_log). And a session of its own,
+    as the agent gives a rank it starts fresh: a terminal's Ctrl-C reaches the command alone, which
+    passes it on once (twice would mean "stop now": runner/rank/preemption.py)."""
+    os.setsid()
+    for signum in signal.valid_signals():
+        if callable(signal.getsignal(signum)):
+            signal.signal(signum, signal.SIG_DFL)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    root = logging.getLogger()
+    root.handlers.clear()  # not closed: their files are the command's, open in the command still
+    root.filters.clear()
+    root.setLevel(logging.WARNING)

@@ -1,5 +1,5 @@
 """Train one run from its saved config: the same code path for a single process and for every
-rank of a multi-process run (`python -m runner.train RUN_DIR`, started by runner/command/launch.py)."""
+rank of a multi-process run (started by runner/command/launch.py: forked_rank, or runner/train.py)."""
 from __future__ import annotations
 
 import logging
@@ -18,6 +18,7 @@ from runner.core.plan import Plan
 from runner.core.clock import started_at
 from runner.records.files import CONFIG_YAML, JOB_LOG, RESULTS_YAML, rank_traceback
 from runner.records.run_dir import read_plan, write_yaml
+from runner.rank.parent import start_clean, tie_to_command
 
 
 # Where the libraries are installed: their log records and warnings go to the job's log only
@@ -147,7 +148,9 @@ def report_failure(records: Path, error: Exception) -> int:
 
 
 def main(records: Path) -> None:
-    """One rank of a run (`python -m runner.train RUN_DIR`, started by runner/command/launch.py)."""
+    """One rank of a run, started by runner/command/launch.py: forked from the command
+    (forked_rank, below) or as `python -m runner.train RUN_DIR` (runner/train.py). Returns once
+    everything is written; stopped or failed, it leaves with its exit status."""
     from runner.rank.preemption import Preempted
 
     with exit_on_user_error():
@@ -161,11 +164,16 @@ def main(records: Path) -> None:
             os._exit(stopped.code)
         except Exception as failure:  # noqa: BLE001 (whatever the user's code raises)
             sys.exit(report_failure(records, failure))
-    # Everything is written (results, checkpoints, loggers finalised). Interpreter teardown would
-    # now destroy torch's C++ communication objects in no set order, and one whose thread is still
-    # joinable aborts the rank ("terminate called without an active exception", seen after
-    # finished FSDP2 and pipeline runs): leave without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(0)
+
+
+def forked_rank(records: str) -> None:
+    """A rank forked from the command by torch's elastic agent: it starts as a copy of the command,
+    with torch, Lightning and the user's modules imported, and first leaves the command's signal
+    handlers, console and log handlers behind, as a fresh process would not have them.
+    Multiprocessing ends the process without interpreter teardown once this returns."""
+    import torch
+
+    tie_to_command()
+    start_clean()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the command kept to one (runner/command/launch.py)
+    main(Path(records))
