@@ -72,10 +72,10 @@ FIELD_ROWS = [["amp", "recompute", "sharding"], ["amp", "pipeline", "recompute"]
 # What each model needs besides a member's `row` (a `row`'s own model and data give way to the field's):
 # LARS and DGC take a momentum SGD and LAMB an Adam; pipeline stages cannot share GPT-2's tied head
 # and token embedding; a CPU computes convolutions in float16 some 20 times slower than in bfloat16.
-GPT2_MOMENTUM_SGD = ["model.optimizer._target_=torch.optim.SGD", "~model.optimizer.betas", "+model.optimizer.momentum=0.9"]
+GPT2_MOMENTUM_SGD = ["model/optimizer=sgd", "model.optimizer.weight_decay=0.1"]  # causal_lm's weight decay
 FIELD_MODELS = {
     "resnet18": (resnet_on_images, {"amp": ["strategy.amp.dtype=bfloat16"],
-                                    "lamb": ["model.optimizer._target_=torch.optim.AdamW", "~model.optimizer.momentum",
+                                    "lamb": ["model/optimizer=adamw", "model.optimizer.weight_decay=1e-4",  # vision's
                                              "model.optimizer.lr=1e-3"],
                                     "pipeline": ["strategy.pipeline.micro_batch_size=4",
                                                  "strategy.pipeline.accumulate_steps=2"]}),

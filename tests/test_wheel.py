@@ -73,7 +73,7 @@ def test_the_installed_command_runs_from_a_directory_of_the_users(installed, tmp
     lightfleet = str(installed["venv"] / "bin" / "lightfleet")
     planned = run([lightfleet, "experiment=quickstart", "dry_run=true"], tmp_path)
     assert "strategies: (none)\nworld: 1 process(es)" in planned.stdout
-    # Two ranks (`python -m runner.train`) in the user's directory, training the user's model.
+    # Two ranks (forked from the command on a CPU) in the user's directory, training the user's model.
     done = run([lightfleet, "-cd", "my_configs", "model=user_net", "trainer.devices=2", "trainer.max_steps=2",
                 "trainer.enable_progress_bar=false", "hydra.run.dir=run"], tmp_path)
     assert "lightfleet: done: 2 steps" in done.stdout, done.stdout

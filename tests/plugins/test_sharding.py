@@ -396,7 +396,8 @@ def test_tensor_parallel_gpt_under_stage_2_trains_like_one_process(lightfleet, t
     group): the 2 ranks split every block and read the same batches, so the losses are those of
     one process training the whole model with the same strategy. Plain SGD: Adam would turn the rounding noise in the
     key bias's (exactly zero) gradient into full steps that differ between the runs."""
-    common = ["model=gpt", "data=language_model", "model.optimizer._target_=torch.optim.SGD",
+    common = ["model=gpt", "data=language_model", "model/optimizer=sgd", "model.optimizer.momentum=0",  # as gpt's AdamW's
+              "model.optimizer.lr=3e-3", "model.optimizer.weight_decay=0.01",
               "trainer.use_distributed_sampler=false", "trainer.max_steps=8", "trainer.log_every_n_steps=1",
               "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "trainer.limit_val_batches=0"]
     split = lightfleet("strategy=[sharding]", "strategy.sharding.stage=2", "strategy.sharding.mp_degree=2",
