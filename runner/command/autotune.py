@@ -37,9 +37,10 @@ from runner.records.files import (AGAIN, AUTO_DIR, CANDIDATES_CSV, CHOICE_YAML, 
                                   REFUSED, SWEEP_YAML, TRIAL_LOG, TRIALS_DIR, failure_outcome, job_ending)
 from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.strategies import schemas
-from runner.strategies.auto import (MIN_TRIALS, SEARCH_SHARE, AutoConfig, Candidate, Choice, RunCost, SearchPlan,
-                                    accounts, candidates, contenders, memory_text, micro_batch, rules, scaled,
-                                    search_plan, trial_order, trial_steps, verdict)
+from runner.strategies._auto_search import (MIN_TRIALS, SEARCH_SHARE, RunCost, SearchPlan, scaled, search_plan,
+                                            trial_steps)
+from runner.strategies.auto import (AutoConfig, Candidate, Choice, accounts, candidates, contenders, memory_text,
+                                    micro_batch, rules, trial_order, verdict)
 from runner.core.world import World
 
 # What a trial leaves out: it only measures speed and memory.

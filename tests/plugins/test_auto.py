@@ -18,8 +18,9 @@ from runner.core.contribution import Facts, Memory
 from runner.strategies import schemas
 from runner.core.errors import ConfigError
 from runner.records.files import AGAIN
-from runner.strategies.auto import (AutoConfig, Candidate, RunCost, accounts, candidates, contenders, estimate,
-                                    fits, memory_text, rules, search_plan, verdict)
+from runner.strategies._auto_search import RunCost, search_plan
+from runner.strategies.auto import (AutoConfig, Candidate, accounts, candidates, contenders, estimate, fits,
+                                    memory_text, rules, verdict)
 from tests.helpers.strategies import candidate_rows, read
 
 ROWS = load_table().allowed
