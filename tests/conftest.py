@@ -4,14 +4,12 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from tests.helpers import data_files
-from tests.helpers.commands import command_env
+from tests.helpers import command_server, data_files
 from runner.config.compose import compose_config
 from runner.config.checks import RunSpec, validate
 
@@ -44,15 +42,22 @@ def spec_for() -> Callable[..., RunSpec]:
 
 
 def run_command(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The real command in a fresh process, from `cwd`, with stdout and stderr apart."""
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=command_env(PYTHONUNBUFFERED="1"),
-                          capture_output=True, text=True, timeout=timeout)
+    """The real command from `cwd`, with stdout and stderr apart, forked from a process that has
+    imported torch and Lightning (tests/helpers/command_server.py)."""
+    return command_server.run_module("runner", list(args), cwd, timeout)
 
 
 @pytest.fixture
 def lightfleet(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
-    """Run the real command in a fresh process, from `tmp_path`, with stdout and stderr apart."""
+    """Run the real command from `tmp_path`, with stdout and stderr apart (forked: see run_command)."""
     return functools.partial(run_command, tmp_path)
+
+
+@pytest.fixture
+def lightfleet_fresh(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """Run the real command in a fresh process, from `tmp_path`: for what only a fresh process
+    shows, such as the warnings libraries print while they are imported."""
+    return lambda *args, timeout=300: command_server.run_fresh("runner", list(args), tmp_path, timeout)
 
 
 @pytest.fixture(scope="session")

@@ -39,10 +39,10 @@ def preflight_of(*overrides: str) -> preflight.Flight:
     return preflight.check_job(preflight.compose(list(overrides), None, CONFIG_NAME))
 
 
-def timed(lightfleet, *overrides: str):
+def timed(lightfleet_fresh, *overrides: str):
     """The command's result, with the seconds it took as `seconds`."""
     started = time.monotonic()
-    done = lightfleet(*overrides)
+    done = lightfleet_fresh(*overrides)
     done.seconds = time.monotonic() - started
     return done
 
@@ -65,8 +65,8 @@ WARNED = "Detected an existing checkpoint"
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [["strategy=[sharding]", "strategy.sharding.stage=3", "trainer.devices=2"],
                                      ["experiment=gpt_pipeline_1f1b"]], ids=["sharding", "pipeline"])
-def test_a_multi_process_runs_console_holds_only_lightfleets_lines(lightfleet, tmp_path, monkeypatch, command):
-    done = timed(lightfleet, *command, "trainer.max_steps=3", "paths.output_dir=run")
+def test_a_multi_process_runs_console_holds_only_lightfleets_lines(lightfleet_fresh, tmp_path, monkeypatch, command):
+    done = timed(lightfleet_fresh, *command, "trainer.max_steps=3", "paths.output_dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not QUIET.search(console(done)), console(done)
     # One bar, rank 0's, drawn by the command: not a line per refresh behind "[rank0]:"
@@ -80,16 +80,16 @@ def test_a_multi_process_runs_console_holds_only_lightfleets_lines(lightfleet, t
     monkeypatch.chdir(tmp_path)
     resumed = preflight_of(*command, f"ckpt_path={checkpoint}")  # its weights fit the model: no refusal
     assert set(checkpoint_contents(checkpoint).weights) == set(resumed.model.state_dict())
-    loud = lightfleet(*command, "trainer.max_steps=3", "paths.output_dir=loud", "hydra.verbose=true")
+    loud = lightfleet_fresh(*command, "trainer.max_steps=3", "paths.output_dir=loud", "hydra.verbose=true")
     assert loud.returncode == 0 and WARNED in console(loud)
 
 
 @pytest.mark.slow
-def test_a_single_process_run_keeps_its_log_and_counts_steps_on_the_progress_bar(lightfleet, tmp_path):
+def test_a_single_process_run_keeps_its_log_and_counts_steps_on_the_progress_bar(lightfleet_fresh, tmp_path):
     """40 steps of 32-batch epochs: the bar goes on counting the run's steps in the second epoch.
     Its output is a pipe, as a log file's or a SLURM job's: the bar is a line of its own, printed
     at most every 30 seconds and at the end, without carriage returns or cursor codes."""
-    done = timed(lightfleet, "experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=run")
+    done = timed(lightfleet_fresh, "experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not QUIET.search(console(done)) and "GPU available" not in console(done)
     assert re.search(r"Epoch 1, step: 100%\|[^|]*\| 40/40", bar_lines(done)[-1]), done.stdout[-2000:]
@@ -97,11 +97,11 @@ def test_a_single_process_run_keeps_its_log_and_counts_steps_on_the_progress_bar
     assert "GPU available" in log and "[py.warnings][WARNING]" in log  # Lightning's lines and the warnings
     assert "lightfleet: run directory" in log and "lightfleet: done: 40 steps" in log  # and the job's own
     assert "][INFO] -" not in console(done)  # the console's lines as they are, without the log's prefix
-    rich = lightfleet("experiment=quickstart", "trainer.max_steps=40", "callbacks=rich_progress_bar",
+    rich = lightfleet_fresh("experiment=quickstart", "trainer.max_steps=40", "callbacks=rich_progress_bar",
                       "paths.output_dir=rich")
     assert rich.returncode == 0, rich.stderr[-3000:]
     assert "Epoch 1, step" in rich.stdout and "40/40" in rich.stdout and "/-2" not in rich.stdout, rich.stdout[-2000:]
-    loud = lightfleet("experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=loud", "hydra.verbose=true")
+    loud = lightfleet_fresh("experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=loud", "hydra.verbose=true")
     assert loud.returncode == 0 and "Warning" in console(loud) and "GPU available" in console(loud)
 
 

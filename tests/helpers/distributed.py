@@ -1,8 +1,8 @@
 """Real 2-process training runs for the communication-strategy tests (gloo on CPU, no mocks).
 
-Test side: `run_two_ranks(script, tmp_path)` writes `script` into tmp_path and runs it under
-`python -m torch.distributed.run --standalone --nproc-per-node 2` (or `nproc`), with the project's root
-importable, so the script can `from tests.helpers.distributed import ...` the rank side: `fit` (the real Lightning trainer
+Test side: `run_two_ranks(script, tmp_path)` writes `script` into tmp_path and runs it in 2 (or `nproc`)
+ranks as `torchrun --standalone` would, the ranks forked with torch and Lightning imported
+(tests/helpers/two_ranks.py), with the project's root importable, so the script can `from tests.helpers.distributed import ...` the rank side: `fit` (the real Lightning trainer
 with `plugins.ddp.build_ddp`), `AllReduceSpy` (counts what reaches `torch.distributed.all_reduce`),
 `AllGatherSpy` (keeps what each rank hands to `torch.distributed.all_gather`) and `Record`
 (per-step parameters, losses, learning rates and collectives of one rank).
@@ -11,7 +11,6 @@ Results come back as one torch.save file per rank: `load_ranks(tmp_path)`.
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from plugins.ddp import build_ddp
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
-from tests.helpers.commands import command_env
+from tests.helpers import command_server
 
 WORLD_SIZE = 2
 
@@ -36,10 +35,8 @@ def run_two_ranks(script: str, tmp_path: Path, timeout: float = 120, nproc: int 
     """Run `script` (Python source; sys.argv[1] is tmp_path) in `nproc` processes; fail with their output."""
     path = tmp_path / "ranks.py"
     path.write_text(textwrap.dedent(script))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", str(path), str(tmp_path)], cwd=tmp_path,
-                          env=command_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=timeout)
+    done = command_server.run_module("tests.helpers.two_ranks", [str(nproc), str(path), str(tmp_path)], tmp_path,
+                                     timeout)
     assert done.returncode == 0, f"{nproc}-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
 
 
