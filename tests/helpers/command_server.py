@@ -5,14 +5,17 @@ run on 2 cores), and the suite starts some 300 of them. The server is started on
 like the command (`python -m tests.helpers.command_server SOCKET`, the command's environment), imports
 torch, Lightning, Hydra and OmegaConf, and no module of the project. For each request it forks a
 child that takes the test's stdin, stdout and stderr, working directory and arguments and runs
-`python -m <module> <args>` as the interpreter would: `runpy` as `__main__`, the working directory
+`python -m <module> <args>` as the interpreter would: runpy's `_run_module_as_main` in a new `__main__`, the working directory
 first on sys.path, SystemExit and uncaught exceptions turned into the exit status, non-daemon
 threads joined and atexit handlers run before it exits. The command launches its ranks from there
 as it does from a fresh process.
 
 What a forked command cannot show stays with fresh processes (`run_fresh`, the fixture `lightfleet_fresh`): what the
 command imports before a refusal, warnings printed while a library is imported, signals sent from a
-terminal, the wheel. `LIGHTFLEET_TESTS_FRESH=1` runs every command of the suite in a fresh process.
+terminal, the wheel. A forked command takes the environment the test gives it, but for the
+variables read while an interpreter starts (`read_at_start`): where a test sets one of those, the
+command starts fresh. `LIGHTFLEET_TESTS_FRESH=1` runs every command of the
+suite in a fresh process.
 
 Test side: `run_module(module, args, cwd, timeout)`, a subprocess.run(capture_output=True,
 text=True) that the server carries out.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import runpy
 import locale
 import os
 import select
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -39,6 +44,7 @@ from tests.helpers.commands import PROJECT_ROOT, command_env
 
 FRESH = "LIGHTFLEET_TESTS_FRESH"
 REQUEST_BYTES = 1 << 20
+START_VARIABLES = ("PYTHON", "LD_", "OMP_", "KMP_", "MKL_", "GOMP_", "CUDA_", "TORCH", "PYTORCH_", "NCCL_")
 
 
 # --------------------------------------------------------------------------- test side
@@ -48,13 +54,13 @@ class CommandServer:
     """One server process and the socket it listens on; started on first use, ended with this process."""
 
     def __init__(self) -> None:
+        self.env = command_env(PYTHONUNBUFFERED="1")
         self.folder = tempfile.mkdtemp(prefix="lightfleet-commands-")
         self.socket_path = os.path.join(self.folder, "socket")
         self.log = os.path.join(self.folder, "server.log")
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen([sys.executable, "-m", __name__, self.socket_path], cwd=PROJECT_ROOT,
-                                            env=command_env(PYTHONUNBUFFERED="1"), stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT)
+                                            env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         atexit.register(self.close)
         deadline = time.monotonic() + 300
         while not os.path.exists(self.socket_path):
@@ -67,12 +73,12 @@ class CommandServer:
         self.process.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def run(self, module: str, args: List[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, module: str, args: List[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", module, *args]
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
             connection.connect(self.socket_path)
-            request = json.dumps({"module": module, "args": args, "cwd": str(cwd)}).encode()
+            request = json.dumps({"module": module, "args": args, "cwd": str(cwd), "env": env}).encode()
             socket.send_fds(connection, [request], [null.fileno(), out.fileno(), err.fileno()])
             pid = json.loads(connection.recv(REQUEST_BYTES))["pid"]
             connection.settimeout(timeout)
@@ -110,7 +116,16 @@ def run_module(module: str, args: List[str], cwd: Path, timeout: float) -> subpr
         return run_fresh(module, args, cwd, timeout)
     if _server is None or _server.process.poll() is not None:
         _server = CommandServer()
-    return _server.run(module, args, cwd, timeout)
+    env = command_env(PYTHONUNBUFFERED="1")
+    if read_at_start(env) != read_at_start(_server.env):
+        return run_fresh(module, args, cwd, timeout)
+    return _server.run(module, args, cwd, env, timeout)
+
+
+def read_at_start(env: dict) -> dict:
+    """The variables an interpreter, torch or OpenMP read while starting or importing: the forked
+    command gets every other variable as a test sets it, these only as the server started with them."""
+    return {name: value for name, value in env.items() if name.startswith(START_VARIABLES)}
 
 
 # --------------------------------------------------------------------------- server side
@@ -165,17 +180,19 @@ def run_child(request: dict, fds: List[int]) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
     sys.path[0] = os.getcwd()  # what `python -m` puts first
     sys.argv = [sys.argv[0], *request["args"]]  # runpy sets argv[0] to the module's file
+    sys.modules["__main__"] = types.ModuleType("__main__")  # the module runs in a __main__ of its own
     code = 0
     try:
-        import runpy
-
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        runpy._run_module_as_main(request["module"])  # what `python -m` calls
     except SystemExit as exit:
         code = exit_status(exit.code)
     except BaseException as error:
-        sys.excepthook(*sys.exc_info())
+        error.__traceback__ = error.__traceback__.tb_next  # from runpy on, as -m's traceback
+        sys.excepthook(type(error), error, error.__traceback__)
         code = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     threading._shutdown()  # the interpreter joins non-daemon threads before atexit, as here
     atexit._run_exitfuncs()
