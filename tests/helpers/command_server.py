@@ -4,29 +4,30 @@ A command spends most of its CPU importing torch and Lightning (7-8 s of some 9.
 run on 2 cores), and the suite starts some 300 of them. The server is started once per test process,
 like the command (`python -m tests.helpers.command_server SOCKET`, the command's environment), imports
 torch, Lightning, Hydra and OmegaConf, and no module of the project. For each request it forks a
-child that takes the test's stdin, stdout and stderr, working directory and arguments and runs
-`python -m <module> <args>` as the interpreter would: runpy's `_run_module_as_main` in a new `__main__`, the working directory
-first on sys.path, SystemExit and uncaught exceptions turned into the exit status, non-daemon
-threads joined and atexit handlers run before it exits. The command launches its ranks from there
+child that takes the test's stdin, stdout and stderr, working directory, environment and arguments
+and runs `python -m <module> <args>` as the interpreter would: runpy's `_run_module_as_main` in a
+new `__main__`, the working directory first on sys.path, SystemExit and uncaught exceptions turned
+into the exit status, non-daemon threads joined and atexit handlers run before it exits. The command launches its ranks from there
 as it does from a fresh process.
 
-What a forked command cannot show stays with fresh processes (`run_fresh`, the fixture `lightfleet_fresh`): what the
-command imports before a refusal, warnings printed while a library is imported, signals sent from a
-terminal, the wheel. A forked command takes the environment the test gives it, but for the
-variables read while an interpreter starts (`read_at_start`): where a test sets one of those, the
-command starts fresh. `LIGHTFLEET_TESTS_FRESH=1` runs every command of the
+What a forked command cannot show stays with fresh processes (`run_fresh`, the fixture
+`lightfleet_fresh`): what the command imports before a refusal, warnings printed while a library is
+imported, signals sent from a terminal, the wheel. A forked command takes the environment the test
+gives it, but for the variables read while an interpreter starts (`read_at_start`): where a test
+sets one of those, the command starts fresh. `LIGHTFLEET_TESTS_FRESH=1` runs every command of the
 suite in a fresh process.
 
-Test side: `run_module(module, args, cwd, timeout)`, a subprocess.run(capture_output=True,
-text=True) that the server carries out.
+Test side: `run_module(module, args, cwd, timeout)`, which returns what subprocess.run(...,
+capture_output=True, text=True) would.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
-import runpy
 import locale
 import os
+import runpy
 import select
 import shutil
 import signal
@@ -35,8 +36,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-import types
 import time
+import types
 from pathlib import Path
 from typing import List, Optional
 
@@ -85,7 +86,8 @@ class CommandServer:
             try:
                 returncode = json.loads(connection.recv(REQUEST_BYTES))["returncode"]
             except socket.timeout:
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+                    os.kill(pid, signal.SIGKILL)
                 connection.settimeout(None)
                 connection.recv(REQUEST_BYTES)
                 raise subprocess.TimeoutExpired(command, timeout, read_text(out), read_text(err)) from None
