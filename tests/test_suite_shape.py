@@ -61,19 +61,20 @@ def test_no_module_of_the_tests_loads_a_test_module():
 def test_each_way_of_loading_a_test_module_is_caught():
     # The check's own check: what the suite did before tests/helpers/ (test_combinations imported
     # test_resume, probe imported each strategy's test module, a run loaded a callback from one).
-    # TARGET stands for `_target_`, so that this module's own text names no test module.
+    # TARGET stands for `_target_` and TEST_ for `test_`, so that this module's own text names and
+    # imports no test module, not even in a string.
     source = '''
-from test_resume import resumes_exactly
-from tests.plugins.test_amp import WIRING
-from tests.plugins import test_lars
-import tests.test_hydra_app as app
+from TEST_resume import resumes_exactly
+from tests.plugins.TEST_amp import WIRING
+from tests.plugins import TEST_lars
+import tests.TEST_hydra_app as app
 
 def strategy_tests(name):
-    return importlib.import_module(f"test_{name}")
+    return importlib.import_module(f"TEST_{name}")
 
-PROBE = "+callbacks.probe.TARGET=test_collective.CollectiveProbe"
-FINE = ("+callbacks.final.TARGET=tests.helpers.probe.FinalState", "tests/test_resume.py", "test_x.py")
-'''.replace("TARGET", "_target_")
+PROBE = "+callbacks.probe.TARGET=TEST_collective.CollectiveProbe"
+FINE = ("+callbacks.final.TARGET=tests.helpers.probe.FinalState", "tests/TEST_resume.py", "TEST_x.py")
+'''.replace("TARGET", "_target_").replace("TEST_", "test_")
     assert sorted(loaded_test_modules(source)) == sorted([
         "test_resume", "tests.plugins.test_amp", "tests.plugins.test_lars", "tests.test_hydra_app",
         "importlib.import_module(f'test_{name}')", "test_collective.CollectiveProbe"])
