@@ -86,20 +86,19 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
         cfg = hydra.compose_config(config_name, list(overrides), run_mode=run_mode)
     except MissingConfigException as error:
         raise _missing(error, overrides) from None
-    except (HydraException, OmegaConfBaseException) as error:
-        raise _swept_strategy(_with_known_keys(explain(error), hydra, config_name, overrides, run_mode), overrides,
-                              run_mode) from None
+    except (HydraException, OmegaConfBaseException, AssertionError) as error:
+        # OmegaConf asserts on `+strategy.x.knob` under an unselected strategy (a None node)
+        problem = _unselected_knob(hydra, config_name, overrides, run_mode)
+        if problem is None and isinstance(error, AssertionError):
+            raise
+        problem = problem or _with_known_keys(explain(error), hydra, config_name, overrides, run_mode)
+        raise _swept_strategy(problem, overrides, run_mode) from None
     except ValueError as error:  # Hydra's word on a malformed override, e.g. `model=null`
         raise ConfigError("overrides", " ".join(overrides),
                           f"{first_line(error)} (to drop a group use ~GROUP)") from None
     except TypeError as error:  # Hydra's defaults list on a nested list: strategy=[[amp]]
         raise ConfigError("overrides", " ".join(overrides), f"cannot be composed ({first_line(error)}); a "
                           "config group takes an option name or a flat list of them: strategy=[amp,recompute]") from None
-    except AssertionError:  # OmegaConf's way to refuse a knob under an unselected strategy (None)
-        knobs = [o.split("=")[0] for o in overrides if re.match(r"^strategy\.\w+\.", o)]
-        if not knobs:
-            raise
-        raise _swept_strategy(_not_selected(knobs[0]), overrides, run_mode) from None
     require_booleans(cfg, hydra, overrides)
     if not with_hydra:
         with open_dict(cfg):
@@ -116,10 +115,7 @@ def keep_typed_selection(cfg: DictConfig, overrides: Sequence[str]) -> Optional[
     typed = strategies_from_argv(overrides)
     if typed is None:
         return None
-    for override in overrides:
-        knob = override.lstrip("+").partition("=")[0]
-        if re.match(r"^strategy\.\w+\.", knob) and knob.split(".")[1] not in typed:
-            raise _not_selected(knob)
+    refuse_unselected_knobs(overrides, typed)
     dropped = [name for name, node in cfg.strategy.items() if node is not None and name not in typed]
     for name in dropped:
         cfg.strategy[name] = None
@@ -163,6 +159,36 @@ def _with_known_keys(problem: ConfigError, hydra: Hydra, config_name: str, overr
 def group_options(group: str) -> List[str]:
     """The options of a config group over the whole search path (conf/, a user's dir, the store)."""
     return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+
+
+# A strategy's knob in every override form: key=, +key= (add), ++key= (add or set), ~key (delete).
+STRATEGY_KNOB = re.compile(r"^[+~]*(strategy\.(\w+)\.[^=]+)")
+
+
+def refuse_unselected_knobs(overrides: Sequence[str], selected: Sequence[str]) -> None:
+    """The first override, of any form, of a knob of a strategy not in `selected` is refused."""
+    for override in overrides:
+        knob = STRATEGY_KNOB.match(override)
+        if knob and knob.group(2) not in selected:
+            raise _not_selected(knob.group(1))
+
+
+def _unselected_knob(hydra: Hydra, config_name: str, overrides: Sequence[str], run_mode: RunMode) -> Optional[ConfigError]:
+    """Why composing `overrides` failed when one sets or deletes a knob of a strategy left out: the
+    selection is a typed `strategy=[...]`, else what the config composes to without the knobs."""
+    selected = strategies_from_argv(overrides)
+    if selected is None:
+        try:
+            composed = hydra.compose_config(config_name, [o for o in overrides if not STRATEGY_KNOB.match(o)],
+                                            run_mode=run_mode)
+        except Exception:  # noqa: BLE001 (the first error is the one to report)
+            return None
+        selected = [name for name, node in composed.strategy.items() if node is not None]
+    try:
+        refuse_unselected_knobs(overrides, selected)
+    except ConfigError as problem:
+        return problem
+    return None
 
 
 def _not_selected(knob: str) -> Exception:

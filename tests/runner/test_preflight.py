@@ -2,6 +2,7 @@
 run once per job, its result taken by the job; ranks check nothing again."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,21 @@ def test_each_sweep_job_is_its_own_typed_list(capsys):
         ["1: experiment=resnet_amp_recompute strategy=[recompute] dry_run=True", "strategies: recompute"]]
     assert f"note: {typed_list_note('', 'amp', 'add amp to the list to keep them')}" in jobs[0]
     assert f"note: {typed_list_note('recompute', 'amp', 'add amp to the list to keep them')}" in jobs[1]
+
+
+# Every form an override takes (Hydra's set, add, add-or-set and delete) for a knob of a strategy the
+# selection leaves out: the default empty selection, a typed list, and a typed list over an
+# experiment that selects the strategy and sets the knob.
+KNOB_FORMS = ["strategy.amp.dtype=float16", "+strategy.amp.dtype=float16", "++strategy.amp.dtype=float16",
+              "~strategy.amp.dtype", "+strategy.amp.x=1", "++strategy.amp.x=1"]
+
+
+@pytest.mark.parametrize("form", KNOB_FORMS)
+@pytest.mark.parametrize("selection", [(), ("strategy=[recompute]",),
+                                       ("experiment=resnet_amp_recompute", "strategy=[recompute]")],
+                         ids=["default", "typed", "typed_over_experiment"])
+def test_every_override_form_of_a_knob_of_a_strategy_left_out_is_refused(selection, form):
+    knob = form.lstrip("+~").partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(knob)}: strategy amp is not selected; add it to "
+                                          r"strategy=\[...\] to set its knobs$"):
+        checked(*selection, form)
