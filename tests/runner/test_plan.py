@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from runner.command.planning import plan_for
 from runner.config.collective import LIGHTFLEET_DDP, BuildStrategyConfig, CollectiveConfig, ExecutionStrategyConfig
@@ -397,9 +398,49 @@ def test_cudnn_exhaustive_search_against_trainer_benchmark_false_is_refused_by_t
         assert plan.trainer_args["benchmark"] == {"value": True, "by": "collective"}
 
 
-@pytest.mark.parametrize("experiment", sorted(path.stem for path in EXPERIMENTS_DIR.glob("*.yaml")))
-def test_every_shipped_experiments_plan_holds_exactly_the_strategies_its_file_names(spec_for, experiment):
-    defaults = yaml.safe_load((EXPERIMENTS_DIR / f"{experiment}.yaml").read_text()).get("defaults", [])
-    named = next((entry["override /strategy"] for entry in defaults
-                  if isinstance(entry, dict) and "override /strategy" in entry), [])
-    assert sorted(plan_for(spec_for(f"experiment={experiment}")).strategies) == sorted(named)
+# What each shipped experiment runs, written here once from its file and its purpose: a test that read
+# the strategies from the file itself could not fail when the file lost one.
+GPT, LM = "runner.models.GPTDecoder", "runner.data.SyntheticLanguageModelData"
+MLP, CLASSES = "runner.models.MLPClassifier", "runner.data.SyntheticClassificationData"
+SHIPPED = {
+    "gpt2_124m": (["amp", "gradient_merge"], "runner.models.causal_lm.CausalLM", "runner.data.tokens.TokenFileData",
+                  1, 600000, {"model.d_model": 768, "model.n_layers": 12, "data.seq_len": 1024, "data.batch_size": 12,
+                              "strategy.amp.dtype": "bfloat16", "strategy.gradient_merge.k_steps": 40,
+                              "fast_path.compile": True, "trainer.gradient_clip_val": 1.0}),
+    "gpt_amp_lamb": (["amp", "lamb"], GPT, LM, 1, 100, {"strategy.amp.dtype": "bfloat16",
+                                                        "strategy.lamb.lamb_weight_decay": 0.01}),
+    "gpt_pipeline_1f1b": (["pipeline"], GPT, LM, 2, 50, {"model.n_layers": 4, "data.batch_size": 32,
+                                                         "strategy.pipeline.schedule_mode": "1F1B",
+                                                         "strategy.pipeline.accumulate_steps": 4}),
+    "gpt_recompute_gradient_merge": (["recompute", "gradient_merge"], GPT, LM, 1, 40,
+                                     {"strategy.gradient_merge.k_steps": 4}),
+    "gpt_sharding_hybrid": (["sharding"], GPT, LM, 4, 50, {"strategy.sharding.stage": 3, "strategy.sharding.degree": 2,
+                                                           "strategy.sharding.dp_degree": 2}),
+    "gpt_sharding_stage2": (["amp", "sharding"], GPT, LM, 2, 50, {"strategy.sharding.stage": 2,
+                                                                  "strategy.amp.dtype": "bfloat16"}),
+    "mlp_ddp_amp": (["amp"], MLP, CLASSES, 2, 100, {"strategy.amp.init_loss_scaling": 1024.0}),
+    "mlp_dgc_recompute": (["dgc", "recompute"], MLP, CLASSES, 2, 100, {"strategy.dgc.rampup_begin_step": 10}),
+    "mlp_localsgd": (["localsgd"], MLP, CLASSES, 2, 100, {"strategy.localsgd.k_steps": 4}),
+    "quickstart": ([], MLP, CLASSES, 1, 60, {"trainer.val_check_interval": 16}),
+    "resnet50_fleet_collective": (["amp"], "runner.models.vision.VisionClassifier", "runner.data.images.ImageFolderData",
+                                  1, 5000, {"model.arch": "resnet50", "data.image_size": 224,
+                                            "strategy.amp.dtype": "float16", "collective.fuse_grad_size_in_MB": 32}),
+    "resnet_amp_recompute": (["amp", "recompute"], "runner.models.ResNetClassifier", CLASSES, 1, 60,
+                             {"strategy.amp.dtype": "bfloat16"}),
+    "resnet_amp_recompute_lars": (["amp", "recompute", "lars"], "runner.models.ResNetClassifier", CLASSES, 1, 100,
+                                  {"strategy.lars.lars_coeff": 0.001, "model.optimizer.lr": 4.0}),
+}
+
+
+def test_every_shipped_experiment_has_its_row_in_the_table():
+    assert sorted(path.stem for path in EXPERIMENTS_DIR.glob("*.yaml")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("experiment", sorted(SHIPPED))
+def test_every_shipped_experiments_plan_holds_exactly_the_strategies_and_settings_pinned_for_it(spec_for, experiment):
+    strategies, model, data, devices, max_steps, settings = SHIPPED[experiment]
+    spec = spec_for(f"experiment={experiment}")
+    assert sorted(plan_for(spec).strategies) == sorted(strategies)
+    pinned = {"name": experiment, "model._target_": model, "data._target_": data, "trainer.devices": devices,
+              "trainer.max_steps": max_steps, **settings}
+    assert {key: OmegaConf.select(spec.cfg, key) for key in pinned} == pinned
