@@ -166,9 +166,14 @@ class RichStepsProgressBar(_CountsSteps, RichProgressBar):
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        super().on_train_epoch_start(trainer, pl_module)
+        counting = self.progress is not None and self.train_progress_bar_id is not None and not self._leave
+        if not (bounded_by_steps(trainer) and counting):
+            super().on_train_epoch_start(trainer, pl_module)
         if bounded_by_steps(trainer) and self.progress is not None and self.train_progress_bar_id is not None:
-            self.progress.update(self.train_progress_bar_id, completed=trainer.global_step)
+            # Lightning resets the task at every epoch (count, clock, rate); this one goes on counting the
+            # run's steps (from the resumed step), its time and rate across epochs
+            self.progress.update(self.train_progress_bar_id, completed=trainer.global_step,
+                                 description=self._get_train_description(trainer.current_epoch))
             self.refresh()
 
     def _get_train_description(self, current_epoch: int) -> str:
