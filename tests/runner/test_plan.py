@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 import yaml
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from runner.command.planning import plan_for
@@ -22,6 +23,7 @@ from runner.strategies.gradient_merge import GradientMergeConfig
 from runner.strategies.pipeline import PipelineConfig
 from runner.strategies.recompute import RecomputeConfig
 from runner.strategies.sharding import ShardingConfig
+from tests.helpers.data_files import on_device
 
 # Plans as the command makes them (runner/command/planning.py): lightfleet's DDP for several processes.
 plan_of = partial(make_plan, data_parallel=LIGHTFLEET_DDP)
@@ -181,6 +183,48 @@ def test_a_validation_interval_is_at_most_the_batches_each_process_reads_per_epo
         check(largest + 1)
     check(largest + 1, "trainer.check_val_every_n_epoch=null")  # counted across epochs
     check(largest + 1, "trainer.limit_val_batches=0")  # no validation
+
+
+@pytest.mark.parametrize("num_train, batch_size, devices", [(10, 2, 4), (7, 2, 3), (14, 1, 4), (100, 8, 4), (2047, 64, 3)])
+@pytest.mark.parametrize("limit", [1.0, 0.75])
+def test_where_the_data_does_not_divide_by_the_processes_an_interval_is_checked_against_what_each_loader_serves(
+        spec_for, num_train, batch_size, devices, limit):
+    """The largest interval allowed is not a formula here but what the built data module's loader
+    serves each rank of the world (DistributedSampler pads the last share: every rank reads as many)."""
+    overrides = (f"trainer.devices={devices}", f"data.num_train={num_train}", f"data.batch_size={batch_size}",
+                 "data.num_workers=0", f"trainer.limit_train_batches={limit}")
+    data = instantiate(spec_for(*overrides).cfg.data)
+    data.setup("fit")
+    served = set()
+    for rank in range(devices):
+        data.trainer = on_device(processes=devices)
+        data.trainer.distributed_sampler_kwargs = {"num_replicas": devices, "rank": rank}
+        served.add(int(len(data.train_dataloader()) * limit))  # as Lightning takes a fraction of the batches
+    assert len(served) == 1, served
+    largest = served.pop()
+
+    def check(interval: int) -> None:
+        spec = spec_for(*overrides, f"trainer.val_check_interval={interval}")
+        check_validation_interval(spec, plan_for(spec).data_parallel_size)
+
+    check(largest)
+    with pytest.raises(ConfigError, match=rf"^trainer.val_check_interval={largest + 1}: more than the {largest} "):
+        check(largest + 1)
+
+
+@pytest.mark.parametrize("overrides, refusal", [
+    (["strategy=[sharding]", "collective.use_hierarchical_allreduce=true",
+      "collective.hierarchical_allreduce_inter_nranks=4", "trainer.devices=6"],
+     r"groups of 4 rank\(s\) .* must divide the 6 processes: set trainer.devices=8, or "),
+    (["strategy=[sharding]", "strategy.sharding.dp_degree=4", "trainer.devices=6"],
+     r"= 4 x 1 x 1 x 1 = 4, but the run has 6 process\(es\): set trainer.devices=4, or "),
+    (["experiment=gpt_pipeline_1f1b", "data.batch_size=30"], r"^strategy.pipeline.accumulate_steps=4: must divide "
+                                                             r"data.batch_size=30 into equal micro-batches$"),
+], ids=["hierarchical_allreduce", "sharding_degrees", "pipeline_micro_batches"])
+def test_degrees_and_batches_that_do_not_divide_by_the_processes_are_refused_naming_what_fits(spec_for, overrides,
+                                                                                             refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        plan_for(spec_for(*overrides))
 
 
 def test_a_validation_interval_is_left_to_lightning_where_the_data_config_does_not_say_the_epoch(spec_for):
