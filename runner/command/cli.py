@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Dict, List, NoReturn, Optional, Sequence, Tupl
 
 from runner.command import preflight, usage
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
-from runner.core.paths import CONF_DIR, user_code_last
+from runner.core.paths import CONF_DIR, home_expanded, user_code_last, user_path
 from runner.core.clock import mark_start
 from runner.rank.parent import INTERRUPTED, STOPPED
 
@@ -37,7 +37,7 @@ SHOW_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-s
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     mark_start()
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = [home_expanded(arg) for arg in (sys.argv[1:] if argv is None else argv)]
     if "--verbose" in args:  # the short form of Hydra's own switch
         args = [arg for arg in args if arg != "--verbose"] + ["hydra.verbose=true"]
     # `_target_`s name the user's own modules, found from where lightfleet runs: in this process, its
@@ -94,15 +94,15 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
     when one is given); overrides follow as usual."""
     from runner.records.files import CONFIG_YAML, FINISHED, LAST_CHECKPOINT, holds_run, job_ending
 
-    if command == "eval" and not (args and holds_run(Path(args[0]))):
+    if command == "eval" and not (args and holds_run(user_path(args[0]))):
         return [*args, "evaluate=true"]
-    if not args or not holds_run(Path(args[0])):
+    if not args or not holds_run(user_path(args[0])):
         raise ConfigError(f"lightfleet {command}", args[0] if args else None,
                           f"needs a run directory (one holding {CONFIG_YAML}) first: lightfleet "
                           f"{command} RUN_DIR [KEY=VALUE ...]")
     from runner.config.compose import SAVED_RUN, store_saved_run
 
-    run_dir = Path(args[0]).resolve()
+    run_dir = user_path(args[0]).resolve()
     store_saved_run(run_dir / CONFIG_YAML)
     start = []
     if command in ("resume", "eval"):
@@ -209,7 +209,7 @@ def user_config_dir(config_dir: Optional[str], config_path: Optional[str]) -> Op
     chosen = config_dir if config_path is None else config_path
     if chosen is None:
         return None
-    path = Path(chosen).expanduser().resolve()
+    path = user_path(chosen).resolve()
     if not path.is_dir():
         raise ConfigError("--config-dir" if config_path is None else "--config-path", chosen, "no such directory")
     return str(path)

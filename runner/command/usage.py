@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from runner.command.preflight import stage_names
-from runner.core.paths import CONF_DIR, EXPERIMENTS_DIR
+from runner.core.paths import CONF_DIR, EXPERIMENTS_DIR, user_path
 from runner.core.errors import ConfigError
 
 # Each subcommand: its arguments, and what it does.
@@ -78,9 +78,9 @@ def config_dir_of(args: Sequence[str]) -> Optional[Path]:
     """The --config-dir (-cd) the arguments name, if any."""
     for index, arg in enumerate(args):
         if arg in ("-cd", "--config-dir") and index + 1 < len(args):
-            return Path(args[index + 1])
+            return user_path(args[index + 1])
         if arg.startswith("--config-dir="):
-            return Path(arg.partition("=")[2])
+            return user_path(arg.partition("=")[2])
     return None
 
 

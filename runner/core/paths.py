@@ -34,6 +34,19 @@ EXPERIMENTS_DIR = config_folder("experiments")
 CHECKOUT: Optional[Path] = None if CONF_DIR.parent == PACKAGE_DIR else IMPORT_ROOT
 
 
+def user_path(typed: str) -> Path:
+    """A path as the user gave it, `~` (and `~user`) expanded as a shell would: a quoted argument,
+    a config file's value or an override's reach lightfleet unexpanded."""
+    return Path(typed).expanduser()
+
+
+def home_expanded(override: str) -> str:
+    """`KEY=~/...` as the home directory's path: Hydra's grammar has no unquoted `~` in a value, and
+    a shell expands it after `=` only where KEY is a variable's name (never with a dot in it)."""
+    key, equals, value = override.partition("=")
+    return f"{key}={os.path.expanduser(value)}" if equals and value.startswith("~") else override
+
+
 def user_code_last(user_dir: Optional[str] = None) -> None:
     """The user's modules (the `_target_`s of their model and data) importable from the command's
     directory, after lightfleet's packages and everything installed, so that a `plugins/` or

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, List, NamedTuple, Sequence, Tuple
 
 from runner.core.errors import ConfigError, exit_on_user_error
+from runner.core.paths import user_path
 from runner.fleet.export_fleet import export_fleet
 from runner.fleet.import_fleet import import_fleet
 from runner.records.files import CONFIG_YAML, FLEET_PROTOTXT
@@ -51,8 +52,8 @@ def main(args: Sequence[str]) -> int:
         parser.add_argument("source", metavar=command.source, help=command.source_help)
         parser.add_argument("-o", "--output", help=command.output_help)
         parsed = parser.parse_args(args[1:])
-        source = Path(parsed.source)
-        output = Path(parsed.output) if parsed.output else command.default_output(source)
+        source = user_path(parsed.source)
+        output = user_path(parsed.output) if parsed.output else command.default_output(source)
         if output.exists():
             raise ConfigError(str(output), None, "exists; lightfleet never overwrites a file (choose another -o)")
         notes, wrote = command.run(source, output)

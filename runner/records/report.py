@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from runner.core.errors import ConfigError, exit_on_user_error
+from runner.core.paths import user_path
 from runner.records.files import holds_sweep
 from runner.records.jobs import Job, collect_jobs
 from runner.records.plots import write_plots
@@ -32,10 +33,10 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: List[str]) -> int:
     with exit_on_user_error():
         args = parse_args(argv)
-        paths = [Path(path) for path in args.paths] or [newest_sweep(Path("multirun"))]
+        paths = [user_path(path) for path in args.paths] or [newest_sweep(Path("multirun"))]
         jobs = collect_jobs(paths)
         baseline = pick_baseline(jobs, args.baseline)
-        out = Path(args.out) if args.out else (paths[0] if len(paths) == 1 else Path("."))
+        out = user_path(args.out) if args.out else (paths[0] if len(paths) == 1 else Path("."))
         written = write_report(jobs, baseline, header(paths, jobs, baseline), out)
     print(" ".join(str(path) for path in written))
     return 0
