@@ -476,6 +476,35 @@ MUTANTS = [
            "Ctrl-C reaches it twice and it stops without a checkpoint",
            "runner/rank/parent.py", "    os.setsid()\n", "",
            (select("tests/test_interrupts.py", "ctrl_c_checkpoints"),)),
+    # ------------------------------------------------------------------ five classes of bugs (issue 40)
+    # A count over the processes where the data does not divide evenly.
+    Mutant("interval-share-floored", "plan", "the training batches a process reads take a floor of the data's share",
+           "runner/config/checks.py", "math.ceil(math.ceil(num_train / data_parallel_size) / batch_size)",
+           "math.ceil(num_train // data_parallel_size / batch_size)",
+           (select("tests/runner/test_plan.py", "does_not_divide"),)),
+    # A home-relative path not expanded where a path is taken.
+    Mutant("data-path-home-unexpanded", "paths", "the preflight looks for data files and folders at a literal ~",
+           "runner/config/values.py", "path = Path(value).expanduser()", "path = Path(value)",
+           (select("tests/runner/test_home_paths.py", "path_knob"),)),
+    Mutant("run-dir-home-unexpanded", "paths", "resume, replay and eval read RUN_DIR at a literal ~",
+           "runner/command/cli.py", "run_dir = user_path(args[0]).resolve()", "run_dir = Path(args[0]).resolve()",
+           (select("tests/runner/test_home_paths.py", "paths_of_a_run"),)),
+    # The progress bar's clock restarting at each epoch.
+    Mutant("progress-clock-per-epoch", "progress", "the bar's clock and rate restart at every epoch",
+           "runner/rank/progress.py", "bar.initial, bar.start_t = self.counting_since",
+           "bar.initial = self.counting_since[0]",
+           (select("tests/runner/test_progress.py"),)),
+    # A knob of a strategy left out of the list, in an override form the check does not know.
+    Mutant("strategy-knob-plain-form-only", "compose", "+key, ++key and ~key of an unselected strategy's knob pass",
+           "runner/config/compose.py", 'STRATEGY_KNOB = re.compile(r"^[+~]*(strategy', 'STRATEGY_KNOB = re.compile(r"^(strategy',
+           (select("tests/runner/test_preflight.py", "every_override_form"),)),
+    # A shipped experiment losing a strategy or a setting.
+    Mutant("experiment-drops-recompute", "experiments", "resnet_amp_recompute runs amp alone",
+           "experiments/resnet_amp_recompute.yaml", "override /strategy: [amp, recompute]", "override /strategy: [amp]",
+           (select("tests/runner/test_plan.py", "shipped"),)),
+    Mutant("experiment-setting-lost", "experiments", "mlp_localsgd averages every step (its k_steps line lost)",
+           "experiments/mlp_localsgd.yaml", "    k_steps: 4\n", "",
+           (select("tests/runner/test_plan.py", "shipped"),)),
 ]
 
 

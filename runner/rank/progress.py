@@ -166,12 +166,13 @@ class RichStepsProgressBar(_CountsSteps, RichProgressBar):
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        counting = self.progress is not None and self.train_progress_bar_id is not None and not self._leave
-        if not (bounded_by_steps(trainer) and counting):
+        if not bounded_by_steps(trainer):
+            return super().on_train_epoch_start(trainer, pl_module)
+        # Lightning resets the task at every epoch (count, clock, rate): this one makes it once and
+        # counts the run's steps (from a resumed step on), its time and rate, across epochs
+        if self.progress is None or self.train_progress_bar_id is None or self._leave:
             super().on_train_epoch_start(trainer, pl_module)
-        if bounded_by_steps(trainer) and self.progress is not None and self.train_progress_bar_id is not None:
-            # Lightning resets the task at every epoch (count, clock, rate); this one goes on counting the
-            # run's steps (from the resumed step), its time and rate across epochs
+        if self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, completed=trainer.global_step,
                                  description=self._get_train_description(trainer.current_epoch))
             self.refresh()
