@@ -370,9 +370,10 @@ MUTANTS = [
            'measured = {job.label: (job.results["peak_memory_mb"], job.samples_per_s) for job in jobs',
            'measured = {job.label: (job.samples_per_s, job.results["peak_memory_mb"]) for job in jobs',
            (select("tests/runner/test_report.py", "memory_plot"),)),
+    # (Not lars: the file's knobs for lars compose it back in, as a config file's knobs do.)
     Mutant("experiment-loses-strategy", "runner", "a shipped experiment silently loses one of its strategies",
            "experiments/resnet_amp_recompute_lars.yaml", "override /strategy: [amp, recompute, lars]",
-           "override /strategy: [amp, recompute]",
+           "override /strategy: [amp, lars]",
            (select("tests/runner/test_plan.py", "shipped"),)),
     Mutant("measure-own-rank-only", "runner", "the run's figures are gathered from this rank only",
            "runner/rank/measure.py", "        ranks = gather(mine)\n", "        ranks = [mine]\n",
@@ -494,6 +495,10 @@ MUTANTS = [
            "runner/rank/progress.py", "bar.initial, bar.start_t = self.counting_since",
            "bar.initial = self.counting_since[0]",
            (select("tests/runner/test_progress.py"),)),
+    Mutant("rich-progress-clock-per-epoch", "progress", "the rich bar's task is reset at every epoch, as Lightning's",
+           "runner/rank/progress.py", "        if self.progress is None or self.train_progress_bar_id is None or self._leave:\n",
+           "        if True:\n",
+           (select("tests/runner/test_progress.py", "rich"),)),
     # A knob of a strategy left out of the list, in an override form the check does not know.
     Mutant("strategy-knob-plain-form-only", "compose", "+key, ++key and ~key of an unselected strategy's knob pass",
            "runner/config/compose.py", 'STRATEGY_KNOB = re.compile(r"^[+~]*(strategy', 'STRATEGY_KNOB = re.compile(r"^(strategy',

@@ -89,9 +89,9 @@ def in_process(args: List[str], capsys) -> str:
 
 # Knobs the preflight reads, checked in a dry run: what each names must be found under HOME.
 KNOBS = {
-    "data.train_bin, data.val_bin": gpt2_on_tokens(HOME / "f"),
+    "data.train_bin+data.val_bin": gpt2_on_tokens(HOME / "f"),
     "data.root": resnet_on_images(HOME / "f"),
-    "data.path, data.tokenizer": gpt2_on_text(HOME / "f"),
+    "data.path+data.tokenizer": gpt2_on_text(HOME / "f"),
     "model.weights_path": [*resnet_on_images(HOME / "f"), "model.weights_path=~/resnet18.pt"],
     "model.pretrained_path": [*gpt2_on_tokens(HOME / "f"), "model.pretrained_path=~/pretrained"],
     "--config-dir": ["--config-dir", "~/cfg", "model=mine"],  # a flag's quoted argument reaches it as typed
@@ -112,7 +112,7 @@ DIRECTORIES = {
     "paths.root_dir": (["paths.root_dir=~/r3"], "r3/outputs"),
     "hydra.sweep.dir": (["hydra.sweep.dir=~/s1", "seed=1,2"], "s1"),
     "paths.sweep_dir": (["paths.sweep_dir=~/s2", "seed=1,2"], "s2"),
-    "paths.root_dir, swept": (["paths.root_dir=~/s3", "seed=1,2"], "s3/multirun"),
+    "paths.root_dir-swept": (["paths.root_dir=~/s3", "seed=1,2"], "s3/multirun"),
 }
 
 
@@ -141,14 +141,14 @@ def test_help_lists_the_options_of_a_home_relative_config_dir(home, elsewhere, c
 WITH_A_RUN = {
     "ckpt_path": ([f"ckpt_path={QUICK_RUN}/checkpoints/last.ckpt", "experiment=quickstart", "trainer.max_steps=4",
                    "dry_run=true"], None),
-    "ckpt_path=last, paths.root_dir": (["paths.root_dir=~/runs", "ckpt_path=last", "experiment=quickstart",
+    "ckpt_path=last+paths.root_dir": (["paths.root_dir=~/runs", "ckpt_path=last", "experiment=quickstart",
                                         "trainer.max_steps=4", "dry_run=true"], None),
-    "resume RUN_DIR": (["resume", QUICK_RUN, "trainer.max_steps=4", "dry_run=true"], None),
-    "replay RUN_DIR": (["replay", QUICK_RUN, "dry_run=true"], None),
-    "eval RUN_DIR": (["eval", QUICK_RUN, "dry_run=true"], None),
-    "report PATH --out": (["report", QUICK_RUN, "--out", "~/report"], "report/report.md"),
-    "export-fleet RUN_DIR -o": (["export-fleet", QUICK_RUN, "-o", "~/exported.prototxt"], "exported.prototxt"),
-    "import-fleet FILE -o": (["import-fleet", "~/fleet.prototxt", "-o", "~/imported.yaml"], "imported.yaml"),
+    "resume": (["resume", QUICK_RUN, "trainer.max_steps=4", "dry_run=true"], None),
+    "replay": (["replay", QUICK_RUN, "dry_run=true"], None),
+    "eval": (["eval", QUICK_RUN, "dry_run=true"], None),
+    "report": (["report", QUICK_RUN, "--out", "~/report"], "report/report.md"),
+    "export-fleet": (["export-fleet", QUICK_RUN, "-o", "~/exported.prototxt"], "exported.prototxt"),
+    "import-fleet": (["import-fleet", "~/fleet.prototxt", "-o", "~/imported.yaml"], "imported.yaml"),
 }
 
 
