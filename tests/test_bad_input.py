@@ -91,8 +91,10 @@ def generated() -> Iterator[Tuple[str, List[str]]]:
             for value in wrong_values(hints[field.name]):
                 yield f"{key}={value}", [*selection, f"{key}={value}"]
             yield f"{key} typo", [*selection, f"{prefix}.{field.name[:-1]}x=1"]
-        if selection:  # a knob of a strategy that is not selected
-            yield f"{prefix} unselected", [f"{prefix}.{fields(cls)[0].name}=1"]
+        if selection:  # a knob of a strategy that is not selected, in every override form
+            knob = f"{prefix}.{fields(cls)[0].name}"
+            for form in (f"{knob}=1", f"+{knob}=1", f"++{knob}=1", f"~{knob}", f"+{prefix}.x=1"):
+                yield f"{prefix} unselected {form}", [form]
     for group, option in GROUPS.items():
         yield f"{group}={option}x", [f"{group}={option}x"]
     for overrides in BY_HAND:
