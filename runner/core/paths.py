@@ -9,6 +9,7 @@ so pyproject.toml installs them inside the runner package, as runner/conf and ru
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -40,11 +41,18 @@ def user_path(typed: str) -> Path:
     return Path(typed).expanduser()
 
 
+# A `~` that starts an unquoted value or an item of a sweep or list (`KEY=~/a,~/b`, `[~/a]`, `choice(~/a)`).
+_HOME_ITEM = re.compile(r"(?:^|(?<=[,\[(]))~[^,\])]*")
+
+
 def home_expanded(override: str) -> str:
     """`KEY=~/...` as the home directory's path: Hydra's grammar has no unquoted `~` in a value, and
-    a shell expands it after `=` only where KEY is a variable's name (never with a dot in it)."""
+    a shell expands it after `=` only where KEY is a variable's name (never with a dot in it). A
+    quoted value is Hydra's to read as written (the code that takes the path expands it)."""
     key, equals, value = override.partition("=")
-    return f"{key}={os.path.expanduser(value)}" if equals and value.startswith("~") else override
+    if not equals or "'" in value or '"' in value:
+        return override
+    return f"{key}={_HOME_ITEM.sub(lambda item: os.path.expanduser(item.group(0)), value)}"
 
 
 def user_code_last(user_dir: Optional[str] = None) -> None:

@@ -105,6 +105,12 @@ def test_a_path_knob_takes_a_home_relative_path(knob, form, elsewhere, capsys):
     assert "strategies:" in in_process(form([*KNOBS[knob], "dry_run=true"]), capsys)
 
 
+def test_each_item_of_a_swept_path_takes_a_home_relative_path(elsewhere, capsys):
+    images = [arg for arg in resnet_on_images(HOME / "f") if not arg.startswith("data.root=")]
+    shown = in_process(["-m", *images, "data.root=~/f/images,~/f/images", "dry_run=true"], capsys)
+    assert shown.count("--- job ") == 2 and shown.count("strategies:") == 2, shown
+
+
 # Directories a run or sweep is given: each must be reserved under HOME.
 DIRECTORIES = {
     "hydra.run.dir": (["hydra.run.dir=~/r1"], "r1"),
