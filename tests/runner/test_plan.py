@@ -185,14 +185,16 @@ def test_a_validation_interval_is_at_most_the_batches_each_process_reads_per_epo
     check(largest + 1, "trainer.limit_val_batches=0")  # no validation
 
 
-@pytest.mark.parametrize("num_train, batch_size, devices", [(10, 2, 4), (7, 2, 3), (14, 1, 4), (100, 8, 4), (2047, 64, 3)])
+@pytest.mark.parametrize("data, num_train, batch_size, devices", [
+    ("classification", 10, 2, 4), ("classification", 7, 2, 3), ("classification", 14, 1, 4),
+    ("classification", 100, 8, 4), ("classification", 2047, 64, 3), ("language_model", 10, 2, 4)])
 @pytest.mark.parametrize("limit", [1.0, 0.75])
 def test_where_the_data_does_not_divide_by_the_processes_an_interval_is_checked_against_what_each_loader_serves(
-        spec_for, num_train, batch_size, devices, limit):
+        spec_for, data, num_train, batch_size, devices, limit):
     """The largest interval allowed is not a formula here but what the built data module's loader
     serves each rank of the world (DistributedSampler pads the last share: every rank reads as many)."""
-    overrides = (f"trainer.devices={devices}", f"data.num_train={num_train}", f"data.batch_size={batch_size}",
-                 "data.num_workers=0", f"trainer.limit_train_batches={limit}")
+    overrides = (f"data={data}", f"trainer.devices={devices}", f"data.num_train={num_train}",
+                 f"data.batch_size={batch_size}", "data.num_workers=0", f"trainer.limit_train_batches={limit}")
     data = instantiate(spec_for(*overrides).cfg.data)
     data.setup("fit")
     served = set()
