@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -156,6 +157,69 @@ def test_existing_run_is_not_overwritten(lightfleet, tmp_path):
     (run / "config.yaml").write_text("precious: true\n")
     assert_one_line_error(lightfleet(f"paths.output_dir={run}"), "paths.output_dir=", "already holds a run")
     assert (run / "config.yaml").read_text() == "precious: true\n"
+
+
+# One training step of a small model: the cheapest run that still goes the whole way (reserved,
+# Hydra's files, config.yaml, a rank that trains and saves).
+ONE_STEP = ("trainer.max_steps=1", "data.num_train=64", "data.num_val=64", "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false", "trainer.num_sanity_val_steps=0")
+HELD = re.compile(r"lightfleet: error: (?:hydra\.run\.dir|paths\.sweep_dir)='[^']+': is held by another command "
+                  r"\(pid (\d+) on (\S+) since [^)]*: lightfleet [^)]*seed=(\d)[^)]*\); choose another directory$")
+
+
+def race(lightfleet, *commands) -> list:
+    """The commands, started together (each in a thread of its own), as they ended."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: lightfleet(*args), commands))
+
+
+def assert_one_ran(ended, directory: Path, held: bool = True) -> int:
+    """Exactly one of two racing commands (seed=1, seed=2) ran; the other was refused in one line,
+    naming the winner as the directory's holder (or, with `held=False`, possibly after the winner
+    recorded its run: "already holds"). The winner's seed."""
+    assert sorted(done.returncode for done in ended) == [0, 2], [done.stderr[-2000:] for done in ended]
+    loser = next(done for done in ended if done.returncode == 2)
+    winner = 1 + [done.returncode for done in ended].index(0)
+    assert_one_line_error(loser)
+    holder = HELD.match(loser.stderr.strip())
+    if not held and holder is None:
+        assert re.search(r"already holds a run; choose another directory$", loser.stderr.strip()), loser.stderr
+        return winner
+    assert holder and int(holder.group(3)) == winner, loser.stderr
+    owner = yaml.safe_load((directory / "owner.yaml").read_text())
+    assert (int(holder.group(1)), holder.group(2)) == (owner["pid"], owner["host"])
+    return winner
+
+
+@pytest.mark.slow
+def test_two_commands_given_one_run_directory_never_both_run(lightfleet, tmp_path, monkeypatch):
+    """Issue 40 item 2: each command pauses between reserving the directory and writing into it
+    (LIGHTFLEET_TEST_PAUSE_RESERVED), so a check apart from the write lets both through every time."""
+    monkeypatch.setenv("LIGHTFLEET_TEST_PAUSE_RESERVED", "4")
+    ended = race(lightfleet, *[(*ONE_STEP, f"seed={seed}", "hydra.run.dir=run") for seed in (1, 2)])
+    winner = assert_one_ran(ended, tmp_path / "run")
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / "config.yaml").read_text())["seed"] == winner
+    assert f"seed={winner}" in yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())  # Hydra's, the winner's
+    assert not (run / "checkpoints" / "last-v1.ckpt").exists()  # the loser's last.ckpt beside the winner's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local"])
+def test_two_sweeps_given_one_sweep_directory_never_both_run(lightfleet, tmp_path, monkeypatch, launcher):
+    monkeypatch.setenv("LIGHTFLEET_TEST_PAUSE_RESERVED", "4")
+    ended = race(lightfleet, *[("-m", f"hydra/launcher={launcher}", *ONE_STEP, f"seed={seed}", "paths.sweep_dir=sweep")
+                               for seed in (1, 2)])
+    winner = assert_one_ran(ended, tmp_path / "sweep")
+    assert [p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir() and not p.name.startswith(".")] == ["0"]
+    assert yaml.safe_load((tmp_path / "sweep" / "0" / "config.yaml").read_text())["seed"] == winner
+
+
+@pytest.mark.slow
+def test_twenty_pairs_of_commands_racing_for_one_run_directory_never_both_run(lightfleet, tmp_path):
+    for pair in range(20):
+        assert_one_ran(race(lightfleet, *[(*ONE_STEP, f"seed={seed}", f"hydra.run.dir=run{pair}") for seed in (1, 2)]),
+                       tmp_path / f"run{pair}", held=False)
 
 
 def test_multi_node_without_rendezvous_address_is_refused_before_spawning(lightfleet):
