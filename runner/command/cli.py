@@ -100,10 +100,15 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
         raise ConfigError(f"lightfleet {command}", args[0] if args else None,
                           f"needs a run directory (one holding {CONFIG_YAML}) first: lightfleet "
                           f"{command} RUN_DIR [KEY=VALUE ...]")
-    from runner.config.compose import SAVED_RUN, store_saved_run
+    import yaml
+
+    from runner.config.compose import SAVED_RUN, store_saved_run, yaml_problem
 
     run_dir = Path(args[0]).resolve()
-    store_saved_run(run_dir / CONFIG_YAML)
+    try:
+        store_saved_run(run_dir / CONFIG_YAML)
+    except yaml.YAMLError as error:  # a config.yaml damaged since the run wrote it
+        raise ConfigError(f"lightfleet {command}", args[0], yaml_problem(error)) from None
     start = []
     if command in ("resume", "eval"):
         last = run_dir / LAST_CHECKPOINT

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import yaml
 from typing import Any, List, Optional, Sequence
 
 from hydra import version
@@ -86,6 +88,8 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
         cfg = hydra.compose_config(config_name, list(overrides), run_mode=run_mode)
     except MissingConfigException as error:
         raise _missing(error, overrides) from None
+    except yaml.YAMLError as error:  # a config file that is no YAML (Hydra lets PyYAML's error through)
+        raise _not_yaml(error, config_dir) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise _swept_strategy(_with_known_keys(explain(error), hydra, config_name, overrides, run_mode), overrides,
                               run_mode) from None
@@ -208,6 +212,29 @@ def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Excepti
             return refusal
     options = group_options(group_name)
     return ConfigError(group_name, option, f"no such option; choose from: {', '.join(options)}", options)
+
+
+def _not_yaml(error: yaml.YAMLError, config_dir: Optional[str]) -> ConfigError:
+    """One line for a config file PyYAML cannot read: the selection that loaded it (`model=bad`, or
+    the primary config's name), then `yaml_problem`."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return ConfigError("config", None, yaml_problem(error))
+    path = Path(mark.name)
+    root = next((Path(root) for root in (config_dir, CONF_DIR) if root and path.is_relative_to(root)), path.parent)
+    group = path.parent.relative_to(root).as_posix()
+    return ConfigError("--config-name" if group == "." else group, path.stem, yaml_problem(error))
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """What PyYAML found wrong, in one line: the file, line and column, and the problem."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f"not YAML: {first_line(error)}"
+    what = error.problem + (" (YAML indents with spaces, not tabs)" if "'\\t'" in error.problem else "")
+    if error.context and error.context_mark and error.context_mark.line != mark.line:
+        what += f", {error.context} from line {error.context_mark.line + 1}"
+    return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: {what}"
 
 
 def explain(error: Exception) -> ConfigError:
