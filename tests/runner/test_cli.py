@@ -104,8 +104,10 @@ def test_bad_value_in_gradient_merge(lightfleet):
      "data.train_bin='missing.bin': no such file (a flat file of uint16 token ids"),
     (("model=causal_lm", "data=hf_text", "data.path=nowhere", "data.tokenizer=nowhere.json"),
      "data.path='nowhere': no such file or directory (text, parquet or jsonl files"),
+    (("model=causal_lm", "data=tokens", "data.train_bin=.", "data.val_bin=."),
+     "data.train_bin='.': is a folder, not a file (a flat file of uint16 token ids"),
 ], ids=["batch_size", "num_workers", "input_shape", "model_size", "imagefolder_root", "root_not_given", "token_file",
-         "hf_text_path"])
+         "hf_text_path", "folder_for_a_file"])
 def test_a_bad_count_or_path_of_the_built_in_model_and_data_is_refused_before_torch(lightfleet, overrides, message):
     """As fast as the table's refusal: neither torch nor Lightning is imported, nothing is built."""
     assert_one_line_error(lightfleet(*overrides), f"lightfleet: error: {message}")
