@@ -190,3 +190,18 @@ def test_a_run_whose_saved_config_is_damaged_is_one_line(tmp_path, monkeypatch, 
     line = refusal(["replay", "run"], tmp_path, monkeypatch, capsys)
     assert line.startswith(f"lightfleet: error: lightfleet replay='run': {tmp_path / 'run' / 'config.yaml'}, line 2, "
                            "column 1: found character '\\t'"), line
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ckpt_path=run/checkpoints/epoch=3-step=50.ckpt"],  # Lightning's own file name, as typed
+     "ckpt_path='run/checkpoints/epoch=3-step=50.ckpt': no such checkpoint ({tmp}/run/checkpoints/epoch=3-step=50.ckpt)"),
+    (["callbacks.model_checkpoint.every_n_train_steps=50"],
+     "callbacks.model_checkpoint.every_n_train_steps: callbacks.model_checkpoint has no key 'every_n_train_steps'; to "
+     "pass an argument its config leaves out, add it with +callbacks.model_checkpoint.every_n_train_steps=50"),
+], ids=["lightning_checkpoint_name", "needs_plus"])
+def test_documented_forms_are_taken_as_typed_or_told_how_to_write_them(overrides, message, tmp_path, monkeypatch,
+                                                                       capsys):
+    """Issue 40 item 7: the checkpoint name reaches the checkpoint check (not Hydra's `mismatched
+    input '='`); a key the config leaves out says that `+` adds it."""
+    line = refusal([*overrides, "dry_run=true"], tmp_path, monkeypatch, capsys)
+    assert line == "lightfleet: error: " + message.format(tmp=tmp_path)

@@ -43,6 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # `_target_`s name the user's own modules, found from where lightfleet runs: in this process, its
     # rank processes and launcher workers, after hydra.job.chdir too; after lightfleet's own packages.
     user_code_last(os.getcwd())
+    args = [quote_checkpoint_names(arg) for arg in args]
     if args and args[0] in usage.SUBCOMMANDS and args[0] not in RUN_DIR_COMMANDS:  # they parse their own arguments
         return main_of(args[0])(args if args[0].endswith("-fleet") else args[1:])
     if {"-h", "--help"} & set(args) or args[:1] == ["--version"]:  # answered without torch, Lightning or Hydra
@@ -269,7 +270,22 @@ def dry_run_text(flight: preflight.Flight) -> str:
 
 def hydra_override(key: str, path: Path) -> str:
     """`key='path'` in Hydra's override syntax (quoted: a path may hold `=`, `,` or spaces)."""
-    return "%s='%s'" % (key, str(path).replace("'", "\\'"))
+    return f"{key}={quoted(str(path))}"
+
+
+def quoted(text: str) -> str:
+    """`text` as a quoted string of Hydra's override syntax."""
+    return "'%s'" % text.replace("'", "\\'")
+
+
+def quote_checkpoint_names(arg: str) -> str:
+    """`ckpt_path=RUN/checkpoints/epoch=3-step=50.ckpt` as typed: Lightning names its checkpoints
+    with `=`, which Hydra's override syntax reads only in quotes. Each of a sweep's comma-separated
+    paths is quoted; a value quoted already, an interpolation or a sweep function is left as typed."""
+    key, _, value = arg.partition("=")
+    if key.lstrip("+") != "ckpt_path" or "=" not in value or re.search(r"['\"$(]", value):
+        return arg
+    return f"{key}={','.join(quoted(path) for path in value.split(','))}"
 
 
 def summarize_sweep(sweep_dir: Path) -> int:

@@ -152,16 +152,25 @@ def require_booleans(cfg: DictConfig, hydra: Hydra, overrides: Sequence[str]) ->
 def _with_known_keys(problem: ConfigError, hydra: Hydra, config_name: str, overrides: Sequence[str],
                      run_mode: RunMode) -> ConfigError:
     """An unknown key under a node the schema leaves open (model, data, a callback), with the
-    keys that node has when composed without it, for "did you mean"."""
-    parent = problem.key.rpartition(".")[0]
+    keys that node has when composed without it, for "did you mean"; or, for no near name, under a
+    `_target_` node, how to pass an argument its config leaves out (a callback's): with `+`, as
+    Hydra adds a key (the arguments stage then checks that the class takes it)."""
+    parent, _, leaf = problem.key.rpartition(".")
     if problem.value is not None or "has no key" not in str(problem) or "did you mean" in str(problem) or not parent:
         return problem
-    others = [o for o in overrides if o.lstrip("+~").split("=")[0] != problem.key]
+    given = [o for o in overrides if o.lstrip("+~").split("=")[0] == problem.key]
+    others = [o for o in overrides if o not in given]
     try:
         node = OmegaConf.select(hydra.compose_config(config_name, others, run_mode=run_mode), parent)
     except Exception:  # noqa: BLE001 (the first error is the one to report)
         return problem
-    return ConfigError.unknown_key(problem.key, list(node.keys())) if isinstance(node, DictConfig) else problem
+    if not isinstance(node, DictConfig):
+        return problem
+    known = ConfigError.unknown_key(problem.key, list(node.keys()))
+    if "did you mean" in str(known) or "_target_" not in node or not given or given[0][0] in "+~":
+        return known
+    return ConfigError(problem.key, None, f"{parent} has no key {leaf!r}; to pass an argument its config leaves "
+                       f"out, add it with +{given[0]}")
 
 
 def group_options(group: str) -> List[str]:
