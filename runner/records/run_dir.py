@@ -70,33 +70,33 @@ def reserve_dir(cfg: DictConfig, hydra_key: str, paths_key: str, subdir: str = "
 def take(key: str, path: Path, subdir: str) -> None:
     """Make the directory `path` (with a node's or rank's `subdir`: each records apart) this
     command's in one atomic step, so that of two commands given one directory exactly one goes on,
-    whatever the timing: its owner.yaml (pid, host, time, command), written whole under a name of
-    its own and then hard-linked to owner.yaml, which fails if the file exists (an exclusive create
-    that NFS honours too, and no reader ever sees the file half written). The file stays: a
-    directory belongs to the command that took it, also after it ended (a resume writes a new one).
-    A holder that died before it recorded a run leaves its claim too: from another host no command
-    can tell a dead holder from a live one, and taking a claim over safely would need a second
-    atomic step; the refusal says which file to remove."""
+    whatever the timing: an exclusive create (O_EXCL, which local file systems and NFS v3 and later
+    honour) of its owner.yaml, then its pid, host, time and command written into it. The file
+    stays: a directory belongs to the command that took it, also after it ended (a resume writes a
+    new one). A holder that died before it recorded a run leaves its claim too: from another host
+    no command can tell a dead holder from a live one, and taking a claim over safely would need a
+    second atomic step; the refusal says which file to remove."""
     records = path / subdir
     records.mkdir(parents=True, exist_ok=True)
-    mine = records / f".{OWNER_YAML}.{os.getpid()}.tmp"
-    mine.write_text(yaml.safe_dump({"pid": os.getpid(), "host": platform.node(),
-                                    "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                                    "command": shlex.join(["lightfleet", *sys.argv[1:]])}, sort_keys=False))
     try:
-        os.link(mine, records / OWNER_YAML)
+        claim = os.open(records / OWNER_YAML, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         raise ConfigError(key, str(path), held_by(records / OWNER_YAML)) from None
-    finally:
-        mine.unlink()
+    owner = {"pid": os.getpid(), "host": platform.node(), "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+             "command": shlex.join(["lightfleet", *sys.argv[1:]])}
+    with os.fdopen(claim, "w") as file:
+        file.write(yaml.safe_dump(owner, sort_keys=False))
 
 
-def held_by(owner_file: Path) -> str:
+def held_by(owner_file: Path, wait_s: float = 2.0) -> str:
     """Why a command cannot take a directory whose owner.yaml is `owner_file`: who holds it, and
-    what to do."""
-    owner = yaml.safe_load(owner_file.read_text())
-    holder = f"pid {owner['pid']} on {owner['host']} since {owner['since']}: {owner['command']}"
-    if owner["host"] == platform.node() and not alive(owner["pid"]):
+    what to do. The holder writes the file right after creating it: an empty one is waited for."""
+    deadline = time.monotonic() + wait_s
+    while not (owner := yaml.safe_load(owner_file.read_text()) or {}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    holder = (f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('since')}: {owner.get('command')}"
+              if owner else f"one that left {owner_file} empty")
+    if owner.get("host") == platform.node() and not alive(owner["pid"]):
         return (f"is held by another command ({holder}), which is no longer running and recorded no run or sweep "
                 f"there; choose another directory, or remove {owner_file} to use this one")
     return f"is held by another command ({holder}); choose another directory"

@@ -80,6 +80,9 @@ def test_a_directory_whose_holder_died_before_recording_a_run_says_which_file_fr
     with pytest.raises(ConfigError, match=rf"which is no longer running and recorded no run or sweep there; choose "
                                           rf"another directory, or remove {left / 'owner.yaml'} to use this one$"):
         reserve(f"paths.output_dir={left}")
+    (left / "owner.yaml").write_text("")  # a holder killed between creating its claim and writing it
+    with pytest.raises(ConfigError, match=rf"is held by another command \(one that left {left / 'owner.yaml'} empty\)"):
+        reserve(f"paths.output_dir={left}")
     (left / "owner.yaml").unlink()
     assert reserve(f"paths.output_dir={left}") == left
 
