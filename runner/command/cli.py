@@ -43,9 +43,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # `_target_`s name the user's own modules, found from where lightfleet runs: in this process, its
     # rank processes and launcher workers, after hydra.job.chdir too; after lightfleet's own packages.
     user_code_last(os.getcwd())
-    args = [quote_checkpoint_names(arg) for arg in args]
     if args and args[0] in usage.SUBCOMMANDS and args[0] not in RUN_DIR_COMMANDS:  # they parse their own arguments
         return main_of(args[0])(args if args[0].endswith("-fleet") else args[1:])
+    args = [quote_checkpoint_names(arg) for arg in args]
     if {"-h", "--help"} & set(args) or args[:1] == ["--version"]:  # answered without torch, Lightning or Hydra
         return print_usage(args)
     try:

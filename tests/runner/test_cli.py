@@ -220,6 +220,7 @@ def test_two_sweeps_given_one_sweep_directory_never_both_run(lightfleet, tmp_pat
 
 @pytest.mark.slow
 def test_twenty_pairs_of_commands_racing_for_one_run_directory_never_both_run(lightfleet, tmp_path):
+    """Without the pause: as close as two commands started together come."""
     for pair in range(20):
         assert_one_ran(race(lightfleet, *[(*ONE_STEP, f"seed={seed}", f"hydra.run.dir=run{pair}") for seed in (1, 2)]),
                        tmp_path / f"run{pair}", held=False)
