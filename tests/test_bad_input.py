@@ -154,3 +154,56 @@ def test_a_directory_a_run_cannot_write_is_refused_before_anything_is_written(ov
 
 def test_the_generated_lines_are_a_few_hundred():
     assert len(CASES) >= 250
+
+
+# Config files of the user's that PyYAML cannot read (issue 40 item 6): a tab, an unclosed list, and
+# one selected from another file's defaults list. The line names the selection, file, line and column.
+BAD_YAML = {
+    "model/tabbed.yaml": "_target_: runner.models.MLPClassifier\nhidden_dim: 16\n\tnum_classes: 4\n",
+    "experiment/unclosed.yaml": "# @package _global_\ntrainer:\n  max_steps: [1\n",
+    "experiment/selects_tabbed.yaml": "# @package _global_\ndefaults:\n  - override /model: tabbed\n",
+    "primary.yaml": "defaults:\n  - lightfleet\n  - _self_\nname: [\n",
+}
+
+
+@pytest.mark.parametrize("selection, message", [
+    (["model=tabbed"], "model='tabbed': {dir}/model/tabbed.yaml, line 3, column 1: found character '\\t' that cannot "
+                       "start any token (YAML indents with spaces, not tabs)"),
+    (["experiment=unclosed"], "experiment='unclosed': {dir}/experiment/unclosed.yaml, line 4, column 1: expected ',' "
+                              "or ']', but got '<stream end>', while parsing a flow sequence from line 3"),
+    (["experiment=selects_tabbed"], "model='tabbed': {dir}/model/tabbed.yaml, line 3"),
+    (["-m", "experiment=quickstart,unclosed"], "experiment='unclosed': {dir}/experiment/unclosed.yaml, line 4"),
+    (["-cn", "primary"], "--config-name='primary': {dir}/primary.yaml, line 5, column 1: "),
+], ids=["tab", "unclosed", "through_defaults", "in_a_sweep", "primary"])
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_file_and_line(selection, message, tmp_path, monkeypatch,
+                                                                         capsys):
+    configs = tmp_path / "configs"
+    for name, text in BAD_YAML.items():
+        (configs / name).parent.mkdir(parents=True, exist_ok=True)
+        (configs / name).write_text(text)
+    line = refusal(["--config-dir", "configs", *selection], tmp_path, monkeypatch, capsys)
+    assert line.startswith("lightfleet: error: " + message.format(dir=configs)), line
+    assert [p.name for p in tmp_path.iterdir()] == ["configs"]
+
+
+def test_a_run_whose_saved_config_is_damaged_is_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("seed: 1\n\tname: x\n")
+    line = refusal(["replay", "run"], tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"lightfleet: error: lightfleet replay='run': {tmp_path / 'run' / 'config.yaml'}, line 2, "
+                           "column 1: found character '\\t'"), line
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ckpt_path=run/checkpoints/epoch=3-step=50.ckpt"],  # Lightning's own file name, as typed
+     "ckpt_path='run/checkpoints/epoch=3-step=50.ckpt': no such checkpoint ({tmp}/run/checkpoints/epoch=3-step=50.ckpt)"),
+    (["callbacks.model_checkpoint.every_n_train_steps=50"],
+     "callbacks.model_checkpoint.every_n_train_steps: callbacks.model_checkpoint has no key 'every_n_train_steps'; to "
+     "pass an argument its config leaves out, add it with +callbacks.model_checkpoint.every_n_train_steps=50"),
+], ids=["lightning_checkpoint_name", "needs_plus"])
+def test_documented_forms_are_taken_as_typed_or_told_how_to_write_them(overrides, message, tmp_path, monkeypatch,
+                                                                       capsys):
+    """Issue 40 item 7: the checkpoint name reaches the checkpoint check (not Hydra's `mismatched
+    input '='`); a key the config leaves out says that `+` adds it."""
+    line = refusal([*overrides, "dry_run=true"], tmp_path, monkeypatch, capsys)
+    assert line == "lightfleet: error: " + message.format(tmp=tmp_path)

@@ -45,6 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     user_code_last(os.getcwd())
     if args and args[0] in usage.SUBCOMMANDS and args[0] not in RUN_DIR_COMMANDS:  # they parse their own arguments
         return main_of(args[0])(args if args[0].endswith("-fleet") else args[1:])
+    args = [quote_checkpoint_names(arg) for arg in args]
     if {"-h", "--help"} & set(args) or args[:1] == ["--version"]:  # answered without torch, Lightning or Hydra
         return print_usage(args)
     try:
@@ -100,10 +101,15 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
         raise ConfigError(f"lightfleet {command}", args[0] if args else None,
                           f"needs a run directory (one holding {CONFIG_YAML}) first: lightfleet "
                           f"{command} RUN_DIR [KEY=VALUE ...]")
-    from runner.config.compose import SAVED_RUN, store_saved_run
+    import yaml
+
+    from runner.config.compose import SAVED_RUN, store_saved_run, yaml_problem
 
     run_dir = user_path(args[0]).resolve()
-    store_saved_run(run_dir / CONFIG_YAML)
+    try:
+        store_saved_run(run_dir / CONFIG_YAML)
+    except yaml.YAMLError as error:  # a config.yaml damaged since the run wrote it
+        raise ConfigError(f"lightfleet {command}", args[0], yaml_problem(error)) from None
     start = []
     if command in ("resume", "eval"):
         last = run_dir / LAST_CHECKPOINT
@@ -264,7 +270,22 @@ def dry_run_text(flight: preflight.Flight) -> str:
 
 def hydra_override(key: str, path: Path) -> str:
     """`key='path'` in Hydra's override syntax (quoted: a path may hold `=`, `,` or spaces)."""
-    return "%s='%s'" % (key, str(path).replace("'", "\\'"))
+    return f"{key}={quoted(str(path))}"
+
+
+def quoted(text: str) -> str:
+    """`text` as a quoted string of Hydra's override syntax."""
+    return "'%s'" % text.replace("'", "\\'")
+
+
+def quote_checkpoint_names(arg: str) -> str:
+    """`ckpt_path=RUN/checkpoints/epoch=3-step=50.ckpt` as typed: Lightning names its checkpoints
+    with `=`, which Hydra's override syntax reads only in quotes. Each of a sweep's comma-separated
+    paths is quoted; a value quoted already, an interpolation or a sweep function is left as typed."""
+    key, _, value = arg.partition("=")
+    if key.lstrip("+") != "ckpt_path" or "=" not in value or re.search(r"['\"$(]", value):
+        return arg
+    return f"{key}={','.join(quoted(path) for path in value.split(','))}"
 
 
 def summarize_sweep(sweep_dir: Path) -> int:

@@ -230,7 +230,8 @@ STAGES = (
           "is imported (a forbidden combination costs a fraction of a second)", command_line, per_job=False),
     Stage("compose",
           "Hydra composes conf/, experiments/ and --config-dir with the overrides: unknown groups, options "
-          "and keys (with \"did you mean\"), malformed overrides, unknown flags, a bool knob given anything but "
+          "and keys (with \"did you mean\", or the `+` a key its config leaves out needs), malformed overrides, "
+          "config files that are not YAML (file, line, column), unknown flags, a bool knob given anything but "
           "true or false; for a sweep, every job of a basic sweep",
           compose, per_job=False),
     Stage("strategy list, from the command line",
@@ -239,7 +240,7 @@ STAGES = (
           "knob typed for such a strategy is refused", typed_strategy_list),
     Stage("schema and ranges", "every value against the schema's type, every knob against its range (the "
           "strategy's dataclass in runner/strategies/, runner/config/schema.py), every number finite; the built-in model's and data's counts, sizes and paths "
-          "(runner/config/values.py: a batch size of 0, a missing data.root) and their mandatory values given, before "
+          "(runner/config/values.py: a batch size of 0, a data.root that is missing or cannot be read) and their mandatory values given, before "
           "torch is imported",
           schema_and_ranges),
     Stage("cross-field rules", "parameter_server.mode=geo becomes localsgd, the two-level allreduce sets hybrid "
@@ -270,8 +271,9 @@ STAGES = (
           "last.ckpt of the same experiment and model under paths.root_dir, named in one line); unless "
           "evaluating, its step is below trainer.max_steps (a finished run resumed trains nothing)", checkpoint),
     Stage("directories", "the run or sweep directory: named, writable, not a file, not inside a run, not "
-          "holding a run or sweep; a checkpoint callback's dirpath not a file; reserved (a clock-named one "
-          "taken gets a suffix)", run_directory, per_job=False),
+          "holding a run or sweep; a checkpoint callback's dirpath not a file; taken by this command in one "
+          "atomic step (its owner.yaml, with a node's or rank's record subdirectory), refused while another "
+          "command holds it (a clock-named one taken gets a suffix)", run_directory, per_job=False),
 )
 # What only a rank can know, checked there (a failure ends the run with the rank's one line).
 RANK_ONLY = (

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import yaml
 from typing import Any, List, Optional, Sequence
 
 from hydra import version
@@ -86,6 +88,8 @@ def compose_config(overrides: Sequence[str], config_dir: Optional[str] = None, c
         cfg = hydra.compose_config(config_name, list(overrides), run_mode=run_mode)
     except MissingConfigException as error:
         raise _missing(error, overrides) from None
+    except yaml.YAMLError as error:  # a config file that is no YAML (Hydra lets PyYAML's error through)
+        raise _not_yaml(error, config_dir) from None
     except (HydraException, OmegaConfBaseException, AssertionError) as error:
         # OmegaConf asserts on `+strategy.x.knob` under an unselected strategy (a None node)
         problem = _unselected_knob(hydra, config_name, overrides, run_mode)
@@ -144,16 +148,25 @@ def require_booleans(cfg: DictConfig, hydra: Hydra, overrides: Sequence[str]) ->
 def _with_known_keys(problem: ConfigError, hydra: Hydra, config_name: str, overrides: Sequence[str],
                      run_mode: RunMode) -> ConfigError:
     """An unknown key under a node the schema leaves open (model, data, a callback), with the
-    keys that node has when composed without it, for "did you mean"."""
-    parent = problem.key.rpartition(".")[0]
+    keys that node has when composed without it, for "did you mean"; or, for no near name, under a
+    `_target_` node, how to pass an argument its config leaves out (a callback's): with `+`, as
+    Hydra adds a key (the arguments stage then checks that the class takes it)."""
+    parent, _, leaf = problem.key.rpartition(".")
     if problem.value is not None or "has no key" not in str(problem) or "did you mean" in str(problem) or not parent:
         return problem
-    others = [o for o in overrides if o.lstrip("+~").split("=")[0] != problem.key]
+    given = [o for o in overrides if o.lstrip("+~").split("=")[0] == problem.key]
+    others = [o for o in overrides if o not in given]
     try:
         node = OmegaConf.select(hydra.compose_config(config_name, others, run_mode=run_mode), parent)
     except Exception:  # noqa: BLE001 (the first error is the one to report)
         return problem
-    return ConfigError.unknown_key(problem.key, list(node.keys())) if isinstance(node, DictConfig) else problem
+    if not isinstance(node, DictConfig):
+        return problem
+    known = ConfigError.unknown_key(problem.key, list(node.keys()))
+    if "did you mean" in str(known) or "_target_" not in node or not given or given[0][0] in "+~":
+        return known
+    return ConfigError(problem.key, None, f"{parent} has no key {leaf!r}; to pass an argument its config leaves "
+                       f"out, add it with +{given[0]}")
 
 
 def group_options(group: str) -> List[str]:
@@ -234,6 +247,29 @@ def _missing(error: MissingConfigException, overrides: Sequence[str]) -> Excepti
             return refusal
     options = group_options(group_name)
     return ConfigError(group_name, option, f"no such option; choose from: {', '.join(options)}", options)
+
+
+def _not_yaml(error: yaml.YAMLError, config_dir: Optional[str]) -> ConfigError:
+    """One line for a config file PyYAML cannot read: the selection that loaded it (`model=bad`, or
+    the primary config's name), then `yaml_problem`."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return ConfigError("config", None, yaml_problem(error))
+    path = Path(mark.name)
+    root = next((Path(root) for root in (config_dir, CONF_DIR) if root and path.is_relative_to(root)), path.parent)
+    group = path.parent.relative_to(root).as_posix()
+    return ConfigError("--config-name" if group == "." else group, path.stem, yaml_problem(error))
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """What PyYAML found wrong, in one line: the file, line and column, and the problem."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f"not YAML: {first_line(error)}"
+    what = error.problem + (" (YAML indents with spaces, not tabs)" if "'\\t'" in error.problem else "")
+    if error.context and error.context_mark and error.context_mark.line != mark.line:
+        what += f", {error.context} from line {error.context_mark.line + 1}"
+    return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: {what}"
 
 
 def explain(error: Exception) -> ConfigError:

@@ -9,6 +9,8 @@ for an optional argument, `auto`) is the constructor's annotations' to judge
 """
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple, Union
@@ -31,8 +33,8 @@ class AtLeast:
 
 @dataclass(frozen=True)
 class Existing:
-    """A path that must exist as `kind`: a file, a folder, or a file or directory (`~` expanded,
-    relative to where lightfleet runs)."""
+    """A path that must exist as `kind` (a file, a folder, or a file or directory) and open as
+    one (`~` expanded, relative to where lightfleet runs)."""
 
     kind: str
     holding: str  # what it holds, said in the refusal
@@ -41,8 +43,17 @@ class Existing:
         if not isinstance(value, str):
             return None
         path = Path(value).expanduser()
-        found = {"file": path.is_file, "folder": path.is_dir, "file or directory": path.exists}[self.kind]()
-        return None if found else f"no such {self.kind} ({self.holding})"
+        try:
+            folder = stat.S_ISDIR(path.stat().st_mode)
+            if self.kind != "file or directory" and folder != (self.kind == "folder"):
+                return f"is a {'folder' if folder else 'file'}, not a {self.kind} ({self.holding})"
+            # Opened as the loader will: os.access says yes to root, whom a file system may still refuse.
+            os.listdir(path) if folder else os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+        except (FileNotFoundError, NotADirectoryError):
+            return f"no such {self.kind} ({self.holding})"
+        except OSError as error:
+            return f"cannot be read: {error.strerror} ({self.holding})"
+        return None
 
 
 Rule = Union[AtLeast, Existing]

@@ -12,6 +12,7 @@ from typing import Any, Dict, Union
 import yaml
 
 # A run directory's, made by the command (runner/records/run_dir.py) and filled by the ranks.
+OWNER_YAML = "owner.yaml"  # the command that holds the directory (pid, host, since, command); made first, exclusively
 CONFIG_YAML = "config.yaml"  # the resolved config: every rank reads it; reproducible from it alone
 PLAN_YAML = "plan.yaml"  # the plan every rank carries out (its printed form, then its data)
 ENV_YAML = "env.yaml"  # command, versions, git commit, host

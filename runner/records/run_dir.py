@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 from dataclasses import dataclass
@@ -22,7 +24,9 @@ from runner.core.errors import ConfigError, error_line, require
 from runner.core.plan import Plan, format_plan
 from runner.core.world import World, external_rank, launched_externally
 from runner.records.files import (CONFIG_YAML, ENV_YAML, FAILED, FAILURE_YAML, LAST_CHECKPOINT, MULTIRUN_YAML,
-                                  NODES_DIR, PLAN_YAML, RANKS_DIR, failure_outcome)
+                                  NODES_DIR, OWNER_YAML, PLAN_YAML, RANKS_DIR, failure_outcome)
+
+TEST_PAUSE_RESERVED = "LIGHTFLEET_TEST_PAUSE_RESERVED"  # for tests only: see pause_for_tests
 
 
 def create_run_dir(cfg: DictConfig, plan: Plan, command: Sequence[str], records: Path) -> None:
@@ -40,24 +44,80 @@ def create_run_dir(cfg: DictConfig, plan: Plan, command: Sequence[str], records:
 
 def reserve_dir(cfg: DictConfig, hydra_key: str, paths_key: str, subdir: str = "") -> Path:
     """The absolute directory a run (hydra.run.dir) or sweep (hydra.sweep.dir) will write, checked
-    before Hydra makes it. `hydra.<x>.dir` follows `paths.<x>_dir` unless set itself; setting both
-    to different places is refused. A directory named by the clock (the default) that is taken
-    gets a -1, -2, ... suffix; one the user named is refused if it already holds a run or sweep,
-    so nothing written earlier is overwritten. `subdir`: see `records_subdir`."""
+    and taken by this command before Hydra writes anything into it. `hydra.<x>.dir` follows
+    `paths.<x>_dir` unless set itself; setting both to different places is refused. A directory
+    named by the clock (the default) that is taken gets a -1, -2, ... suffix; one the user named is
+    refused if it already holds a run or sweep, so nothing written earlier is overwritten, or if
+    another command holds it (`take`). `subdir`: see `records_subdir`."""
     hydra_dir = str(OmegaConf.select(cfg, hydra_key))
     paths_dir = str(OmegaConf.select(cfg, paths_key))
     if hydra_dir != paths_dir and not _named_by_clock(cfg, paths_key):
         raise ConfigError(hydra_key, hydra_dir, f"differs from {paths_key}={paths_dir!r}; set one of them "
                           f"({hydra_key} follows {paths_key})")
+    key = paths_key if hydra_dir == paths_dir else hydra_key
     path = Path(hydra_dir).expanduser().resolve()
-    check_writable(paths_key if hydra_dir == paths_dir else hydra_key, path)
+    check_writable(key, path)
     if not subdir and _named_by_clock(cfg, hydra_key):
-        return fresh_dir(path)
+        path = fresh_dir(path)
     for record, holds in ((CONFIG_YAML, "a run"), (MULTIRUN_YAML, "a sweep")):
         if (path / subdir / record).exists():
-            raise ConfigError(paths_key if hydra_dir == paths_dir else hydra_key, str(path),
-                              f"already holds {holds}; choose another directory")
+            raise ConfigError(key, str(path), f"already holds {holds}; choose another directory")
+    take(key, path, subdir)
+    pause_for_tests()
     return path
+
+
+def take(key: str, path: Path, subdir: str) -> None:
+    """Make the directory `path` (with a node's or rank's `subdir`: each records apart) this
+    command's in one atomic step, so that of two commands given one directory exactly one goes on,
+    whatever the timing: an exclusive create (O_EXCL, which local file systems and NFS v3 and later
+    honour) of its owner.yaml, then its pid, host, time and command written into it. The file
+    stays: a directory belongs to the command that took it, also after it ended (a resume writes a
+    new one). A holder that died before it recorded a run leaves its claim too: from another host
+    no command can tell a dead holder from a live one, and taking a claim over safely would need a
+    second atomic step; the refusal says which file to remove."""
+    records = path / subdir
+    records.mkdir(parents=True, exist_ok=True)
+    try:
+        claim = os.open(records / OWNER_YAML, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise ConfigError(key, str(path), held_by(records / OWNER_YAML)) from None
+    owner = {"pid": os.getpid(), "host": platform.node(), "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+             "command": shlex.join(["lightfleet", *sys.argv[1:]])}
+    with os.fdopen(claim, "w") as file:
+        file.write(yaml.safe_dump(owner, sort_keys=False))
+
+
+def held_by(owner_file: Path, wait_s: float = 2.0) -> str:
+    """Why a command cannot take a directory whose owner.yaml is `owner_file`: who holds it, and
+    what to do. The holder writes the file right after creating it: an empty one is waited for."""
+    deadline = time.monotonic() + wait_s
+    while not (owner := yaml.safe_load(owner_file.read_text()) or {}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    holder = (f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('since')}: {owner.get('command')}"
+              if owner else f"one that left {owner_file} empty")
+    if owner.get("host") == platform.node() and not alive(owner["pid"]):
+        return (f"is held by another command ({holder}), which is no longer running and recorded no run or sweep "
+                f"there; choose another directory, or remove {owner_file} to use this one")
+    return f"is held by another command ({holder}); choose another directory"
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def pause_for_tests() -> None:
+    """For tests only: LIGHTFLEET_TEST_PAUSE_RESERVED=SECONDS holds the command here, after the run
+    or sweep directory is reserved and before Hydra writes into it, so that a test can start a
+    second command on the same directory inside that window."""
+    time.sleep(float(os.environ.get(TEST_PAUSE_RESERVED, 0)))
 
 
 def check_writable(key: str, path: Path) -> None:

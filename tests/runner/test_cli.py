@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 import itertools
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, List, Tuple
 
 import pytest
 import yaml
@@ -103,8 +105,10 @@ def test_bad_value_in_gradient_merge(lightfleet):
      "data.train_bin='missing.bin': no such file (a flat file of uint16 token ids"),
     (("model=causal_lm", "data=hf_text", "data.path=nowhere", "data.tokenizer=nowhere.json"),
      "data.path='nowhere': no such file or directory (text, parquet or jsonl files"),
+    (("model=causal_lm", "data=tokens", "data.train_bin=.", "data.val_bin=."),
+     "data.train_bin='.': is a folder, not a file (a flat file of uint16 token ids"),
 ], ids=["batch_size", "num_workers", "input_shape", "model_size", "imagefolder_root", "root_not_given", "token_file",
-         "hf_text_path"])
+         "hf_text_path", "folder_for_a_file"])
 def test_a_bad_count_or_path_of_the_built_in_model_and_data_is_refused_before_torch(lightfleet, overrides, message):
     """As fast as the table's refusal: neither torch nor Lightning is imported, nothing is built."""
     assert_one_line_error(lightfleet(*overrides), f"lightfleet: error: {message}")
@@ -156,6 +160,70 @@ def test_existing_run_is_not_overwritten(lightfleet, tmp_path):
     (run / "config.yaml").write_text("precious: true\n")
     assert_one_line_error(lightfleet(f"paths.output_dir={run}"), "paths.output_dir=", "already holds a run")
     assert (run / "config.yaml").read_text() == "precious: true\n"
+
+
+# One training step of a small model: the cheapest run that still goes the whole way (reserved,
+# Hydra's files, config.yaml, a rank that trains and saves).
+ONE_STEP = ("trainer.max_steps=1", "data.num_train=64", "data.num_val=64", "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false", "trainer.num_sanity_val_steps=0")
+HELD = re.compile(r"lightfleet: error: (?:hydra\.run\.dir|paths\.sweep_dir)='[^']+': is held by another command "
+                  r"\(pid (\d+) on (\S+) since [^)]*: lightfleet [^)]*seed=(\d)[^)]*\); choose another directory$")
+
+
+def race(lightfleet, *commands) -> list:
+    """The commands, started together (each in a thread of its own), as they ended."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: lightfleet(*args), commands))
+
+
+def assert_one_ran(ended, directory: Path, held: bool = True) -> int:
+    """Exactly one of two racing commands (seed=1, seed=2) ran; the other was refused in one line,
+    naming the winner as the directory's holder (or, with `held=False`, possibly after the winner
+    recorded its run: "already holds"). The winner's seed."""
+    assert sorted(done.returncode for done in ended) == [0, 2], [done.stderr[-2000:] for done in ended]
+    loser = next(done for done in ended if done.returncode == 2)
+    winner = 1 + [done.returncode for done in ended].index(0)
+    assert_one_line_error(loser)
+    holder = HELD.match(loser.stderr.strip())
+    if not held and holder is None:
+        assert re.search(r"already holds a run; choose another directory$", loser.stderr.strip()), loser.stderr
+        return winner
+    assert holder and int(holder.group(3)) == winner, loser.stderr
+    owner = yaml.safe_load((directory / "owner.yaml").read_text())
+    assert (int(holder.group(1)), holder.group(2)) == (owner["pid"], owner["host"])
+    return winner
+
+
+@pytest.mark.slow
+def test_two_commands_given_one_run_directory_never_both_run(lightfleet, tmp_path, monkeypatch):
+    """Issue 40 item 2: each command pauses between reserving the directory and writing into it
+    (LIGHTFLEET_TEST_PAUSE_RESERVED), so a check apart from the write lets both through every time."""
+    monkeypatch.setenv("LIGHTFLEET_TEST_PAUSE_RESERVED", "4")
+    ended = race(lightfleet, *[(*ONE_STEP, f"seed={seed}", "hydra.run.dir=run") for seed in (1, 2)])
+    winner = assert_one_ran(ended, tmp_path / "run")
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / "config.yaml").read_text())["seed"] == winner
+    assert f"seed={winner}" in yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())  # Hydra's, the winner's
+    assert not (run / "checkpoints" / "last-v1.ckpt").exists()  # the loser's last.ckpt beside the winner's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local"])
+def test_two_sweeps_given_one_sweep_directory_never_both_run(lightfleet, tmp_path, monkeypatch, launcher):
+    monkeypatch.setenv("LIGHTFLEET_TEST_PAUSE_RESERVED", "4")
+    ended = race(lightfleet, *[("-m", f"hydra/launcher={launcher}", *ONE_STEP, f"seed={seed}", "paths.sweep_dir=sweep")
+                               for seed in (1, 2)])
+    winner = assert_one_ran(ended, tmp_path / "sweep")
+    assert [p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir() and not p.name.startswith(".")] == ["0"]
+    assert yaml.safe_load((tmp_path / "sweep" / "0" / "config.yaml").read_text())["seed"] == winner
+
+
+@pytest.mark.slow
+def test_twenty_pairs_of_commands_racing_for_one_run_directory_never_both_run(lightfleet, tmp_path):
+    """Without the pause: as close as two commands started together come."""
+    for pair in range(20):
+        assert_one_ran(race(lightfleet, *[(*ONE_STEP, f"seed={seed}", f"hydra.run.dir=run{pair}") for seed in (1, 2)]),
+                       tmp_path / f"run{pair}", held=False)
 
 
 def test_multi_node_without_rendezvous_address_is_refused_before_spawning(lightfleet):
@@ -332,6 +400,51 @@ def test_eval_of_a_run_or_of_a_checkpoint_trains_nothing_and_prints_the_metrics(
     tested = evaluated(lightfleet("eval", str(trained), "test=true", "paths.output_dir=tested"))
     assert of_checkpoint["val_loss"] == tested["val_loss"] == of_run["val_loss"]  # the same weights, data and config
     assert tested["test_loss"] > 0 and "test_loss" not in of_run
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_lightnings_own_name_is_taken_as_typed(lightfleet, trained):
+    """`epoch=0-step=4.ckpt` holds `=`, which Hydra's override syntax reads only in quotes."""
+    (named,) = (trained / "checkpoints").glob("epoch=*-step=*.ckpt")
+    run, _ = ran(lightfleet("eval", f"ckpt_path={named}", "paths.output_dir=of_named"))
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(named)
+
+
+def documented_overrides() -> Iterator[Tuple[str, List[str]]]:
+    """(where, overrides) of every `lightfleet ...` line of README.md and docs/ (placeholders, other
+    subcommands' arguments and lines with the user's config files aside), and of every callback or
+    logger knob written inline (`callbacks.x.y=V`, or without a value: then any value)."""
+    for line in set(documented_lines()) - SHOWN_REFUSED:
+        if not line.startswith("lightfleet "):  # a line of output
+            continue
+        words = [word for word in shlex.split(line.rstrip("\\"))[1:] if not re.match(r"\[|\.\.\.", word)]
+        if not words or words[0] in usage.SUBCOMMANDS and words[0] not in RUN_DIR_COMMANDS or \
+                {"-cd", "--config-dir", "-cp", "--config-path", "-cn", "--config-name"} & set(words):
+            continue
+        yield line, [word for word in words if "=" in word and not word.startswith("-")]
+    for path in [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]:
+        for key, value in re.findall(r"`(\+?(?:callbacks|logger)\.[\w.]+)(=[^`\s]*)?`", path.read_text()):
+            yield path.name, [key + (value or "=null")]
+
+
+def test_every_knob_the_docs_show_is_written_as_the_command_takes_it():
+    """Issue 40 item 7: composed as typed, without a key the config lacks (a knob that needs `+`)
+    or Hydra's syntax errors; values are not judged here (they may be placeholders)."""
+    from runner.config.compose import compose_config
+    from runner.core.errors import ConfigError, Refusal
+
+    missing = []
+    for where, overrides in documented_overrides():
+        try:
+            compose_config(overrides)
+        except (ConfigError, Refusal) as refused:
+            if re.search(r"has no key|is not selected|mismatched input|extraneous input|token recognition", str(refused)):
+                missing.append(f"{where}: {' '.join(overrides)}: {refused}")
+    assert not missing, "\n".join(missing)
+
+
+SHOWN_REFUSED = {"lightfleet 'strategy=[amp]' strategy.amp.init_los_scaling=1"}  # docs/guide.md's "did you mean"
+RUN_DIR_COMMANDS = ("resume", "eval", "replay")
 
 
 @pytest.mark.slow

@@ -3,6 +3,9 @@ on which rank, and the one-line refusals of files that cannot serve. Tiny files 
 token files from numpy, a folder of generated PNGs. Training on them: tests/test_real_models.py."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.commands import command_env
 from tests.helpers.data_files import image_folder, token_file
 from runner.data.tokens import TokenFileData
 
@@ -187,3 +191,27 @@ def test_the_shipped_confs_build_on_files(tmp_path):
         module = hydra.utils.instantiate(conf)
         inputs, targets = next(iter(module.train_dataloader()))
         assert len(inputs) == len(targets) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv to drop root's file access")
+def test_data_files_the_user_cannot_read_are_refused_before_any_directory_exists(tmp_path):
+    """Issue 40 item 6. The tests run as root, who reads any file whatever its mode: the command runs
+    as root without the capabilities that bypass file permissions (CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH), as a user who does not own the files would."""
+    token_file(tmp_path / "train.bin", 1000)
+    token_file(tmp_path / "val.bin", 100)
+    image_folder(tmp_path / "images", per_class=1)
+    (tmp_path / "train.bin").chmod(0)
+    (tmp_path / "images").chmod(0)
+    as_a_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m", "runner",
+                 "trainer.max_steps=1", "paths.output_dir=run"]
+    for overrides, message in (
+            (["model=causal_lm", "data=tokens", "data.train_bin=train.bin", "data.val_bin=val.bin", "data.seq_len=8"],
+             "data.train_bin='train.bin': cannot be read: Permission denied (a flat file of uint16 token ids"),
+            (["data=imagefolder", "data.root=images", "model=resnet"],
+             "data.root='images': cannot be read: Permission denied (train/ and val/ folders")):
+        done = subprocess.run([*as_a_user, *overrides], cwd=tmp_path, env=command_env(), capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 2 and done.stderr.startswith(f"lightfleet: error: {message}"), done.stderr[-3000:]
+        assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -5,6 +5,9 @@ model under paths.root_dir and says which; one that does not fit the model is re
 from __future__ import annotations
 
 import os
+import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,9 +23,10 @@ from runner.models import GPTDecoder, MLPClassifier
 from runner.records.run_dir import check_weights_fit, checkpoint_contents, find_checkpoint, reserve_dir
 
 
-def reserve(*overrides: str, sweep: bool = False):
+def reserve(*overrides: str, sweep: bool = False, subdir: str = ""):
     cfg = compose_config(list(overrides), run_mode=RunMode.MULTIRUN if sweep else RunMode.RUN, with_hydra=True)
-    return reserve_dir(cfg, *(("hydra.sweep.dir", "paths.sweep_dir") if sweep else ("hydra.run.dir", "paths.output_dir")))
+    keys = ("hydra.sweep.dir", "paths.sweep_dir") if sweep else ("hydra.run.dir", "paths.output_dir")
+    return reserve_dir(cfg, *keys, subdir)
 
 
 def test_runs_named_by_the_clock_in_the_same_second_get_their_own_directories(tmp_path):
@@ -41,12 +45,46 @@ def test_sweeps_named_by_the_clock_get_their_own_directories(tmp_path):
 def test_a_directory_the_user_named_is_never_reused(tmp_path):
     mine = tmp_path / "mine"
     assert reserve(f"paths.output_dir={mine}") == mine
-    mine.mkdir()
     (mine / "config.yaml").write_text("earlier run\n")
     for override in (f"paths.output_dir={mine}", f"hydra.run.dir={mine}"):
         with pytest.raises(ConfigError, match="already holds a run"):
             reserve(override)
     assert (mine / "config.yaml").read_text() == "earlier run\n"
+
+
+def test_a_directory_is_taken_by_one_command_and_each_node_takes_its_own_records(tmp_path):
+    """The claim is the directory plus the node's (or rank's) record subdirectory."""
+    shared = tmp_path / "shared"
+    assert reserve(f"paths.output_dir={shared}") == shared
+    owner = yaml.safe_load((shared / "owner.yaml").read_text())
+    assert owner["pid"] == os.getpid() and owner["host"] == platform.node()
+    for subdir in ("", "nodes/1"):
+        if subdir:
+            assert reserve(f"paths.output_dir={shared}", subdir=subdir) == shared  # node 1 beside node 0
+        with pytest.raises(ConfigError, match=rf"is held by another command \(pid {os.getpid()} on "):
+            reserve(f"paths.output_dir={shared}", subdir=subdir)
+    assert (shared / "nodes" / "1" / "owner.yaml").is_file()
+    assert sorted(p.name for p in shared.rglob("*") if p.is_file()) == ["owner.yaml", "owner.yaml"]  # no temporary left
+    swept = tmp_path / "swept"
+    reserve(f"paths.sweep_dir={swept}", sweep=True)
+    with pytest.raises(ConfigError, match=r"paths.sweep_dir=.*is held by another command"):
+        reserve(f"paths.sweep_dir={swept}", sweep=True)
+
+
+def test_a_directory_whose_holder_died_before_recording_a_run_says_which_file_frees_it(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / "left"
+    left.mkdir()
+    (left / "owner.yaml").write_text(yaml.safe_dump({"pid": int(gone.stdout), "host": platform.node(),
+                                                      "since": "2026-01-01 00:00:00 UTC", "command": "lightfleet"}))
+    with pytest.raises(ConfigError, match=rf"which is no longer running and recorded no run or sweep there; choose "
+                                          rf"another directory, or remove {left / 'owner.yaml'} to use this one$"):
+        reserve(f"paths.output_dir={left}")
+    (left / "owner.yaml").write_text("")  # a holder killed between creating its claim and writing it
+    with pytest.raises(ConfigError, match=rf"is held by another command \(one that left {left / 'owner.yaml'} empty\)"):
+        reserve(f"paths.output_dir={left}")
+    (left / "owner.yaml").unlink()
+    assert reserve(f"paths.output_dir={left}") == left
 
 
 def test_hydra_run_dir_is_the_same_setting_as_paths_output_dir(tmp_path):
