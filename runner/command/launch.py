@@ -27,7 +27,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
-from runner.command.console import progress_in_place
+from runner.command.console import progress_in_place, to_log_files
 from runner.core.errors import ConfigError, exit_on_user_error
 from runner.core.paths import python_module, user_code_last
 from runner.config.schema import TrainerConfig
@@ -35,6 +35,13 @@ from runner.rank.parent import COMMAND_PID
 from runner.records.files import LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
 from runner.records.run_dir import read_plan
 from runner.core.world import World, launched_externally
+
+
+class LogFilesOnly(logging.Handler):
+    """Records into the job's log file, not onto the console."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        to_log_files(record)
 
 
 def processes_per_node(world: World) -> int:
@@ -138,11 +145,13 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent's own warnings about stopping ranks ("Received 2 death signal") repeat what the
-    # CLI's summary line says. Each of its modules' loggers sets its own level: quiet them all.
+    # The agent's own warnings about stopping ranks ("Received 2 death signal", torch.multiprocessing's
+    # "Terminating process ... via signal SIGTERM") repeat what the CLI's summary line says. Each of
+    # its modules' loggers sets its own level: quiet them all on the console, into the job's log.
     for name in list(logging.Logger.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            agent = logging.getLogger(name)
+            agent.handlers, agent.propagate = [LogFilesOnly()], False
 
     if world.num_nodes > 1:  # every node runs the same command; NODE_RANK orders them
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"

@@ -238,6 +238,10 @@ class RunConfig:
     """Run the test stage after fit (the data module needs a test_dataloader)."""
     evaluate: bool = False
     """Only evaluate ckpt_path's weights: validation (and test with test=true), no training."""
+    stop_on_nonfinite: bool = True
+    """Stop the run when the loss or a parameter becomes NaN or Inf: one line naming the step and the
+    last checkpoint written before it, exit status 3, failure.yaml's status `diverged`; no
+    checkpoint with non-finite weights is written (docs/reliability.md). false: train on."""
     verbose: bool = False
     """Show Lightning's informational lines (devices, distributed setup, tips); hydra.verbose=true
     and the --verbose flag set it too."""

@@ -16,9 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
 from runner.core.plan import Plan
 from runner.core.clock import started_at
-from runner.records.files import CONFIG_YAML, JOB_LOG, RESULTS_YAML, rank_traceback
-from runner.records.run_dir import read_plan, write_yaml
-from runner.rank.parent import start_clean, tie_to_command
+from runner.records.files import CONFIG_YAML, DIVERGED, JOB_LOG, RESULTS_YAML, rank_traceback
+from runner.records.run_dir import read_plan, record_failure, write_yaml
+from runner.rank.parent import DIVERGED_EXIT, start_clean, tie_to_command
 
 
 # Where the libraries are installed: their log records and warnings go to the job's log only
@@ -151,6 +151,7 @@ def main(records: Path) -> None:
     """One rank of a run, started by runner/command/launch.py: forked from the command
     (forked_rank, below) or as `python -m runner.train RUN_DIR` (runner/train.py). Returns once
     everything is written; stopped or failed, it leaves with its exit status."""
+    from runner.rank.divergence import Diverged
     from runner.rank.preemption import Preempted
 
     with exit_on_user_error():
@@ -159,11 +160,21 @@ def main(records: Path) -> None:
         except (ConfigError, Refusal):
             raise
         except Preempted as stopped:  # the checkpoint is written: leave as below, 143 or (Ctrl-C) 130
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(stopped.code)
+            leave(stopped.code)
+        except Diverged as stopped:  # every rank at the same step, with the same line
+            # Each rank records it (the same file, replaced whole) before leaving: the command says
+            # it once from there, whichever rank the elastic agent saw leave first.
+            record_failure(records, DIVERGED_EXIT, str(stopped), status=DIVERGED)
+            leave(DIVERGED_EXIT)
         except Exception as failure:  # noqa: BLE001 (whatever the user's code raises)
             sys.exit(report_failure(records, failure))
+
+
+def leave(code: int) -> None:
+    """Leave at once with `code`, what was printed flushed: the run has recorded how it ended."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def forked_rank(records: str) -> None:

@@ -51,7 +51,8 @@ FAILED = "failed"
 OUT_OF_MEMORY = "out_of_memory"  # told apart from failed: the cure differs
 REFUSED = "refused"  # never started: the table or a check refused it
 PREEMPTED = "preempted"  # stopped by a signal after saving LAST_CHECKPOINT: resume it
-OUTCOMES = (FINISHED, FAILED, OUT_OF_MEMORY, REFUSED, PREEMPTED)
+DIVERGED = "diverged"  # stopped where the loss or a parameter became NaN or Inf (runner/rank/divergence.py)
+OUTCOMES = (FINISHED, FAILED, OUT_OF_MEMORY, REFUSED, PREEMPTED, DIVERGED)
 
 
 @dataclass(frozen=True)
