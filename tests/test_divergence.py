@@ -40,22 +40,26 @@ def test_a_learning_rate_that_diverges_stops_the_run_naming_the_step(lightfleet,
     assert math.isnan(yaml.safe_load((tmp_path / "off" / "results.yaml").read_text())["train_loss"])
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_loss_gone_nan_after_a_checkpoint_keeps_the_good_last_checkpoint(lightfleet, tmp_path, ranks):
-    # Checkpoints every 2 steps; step 5's inputs are NaN, so its loss and the weights it leaves are:
-    # the checkpoint of step 6 (and fit's last one) must not replace step 4's.
+@pytest.mark.parametrize("ranks, nan_step", [(1, 5), (2, 5), (2, 8)], ids=["one_process", "two_processes",
+                                                                         "two_processes_last_step"])
+def test_a_loss_gone_nan_after_a_checkpoint_keeps_the_good_last_checkpoint(lightfleet, tmp_path, ranks, nan_step):
+    # Checkpoints every 2 steps of 8; step `nan_step`'s inputs are NaN, so its loss and the weights it
+    # leaves are: no later checkpoint (the next one, or fit's last one) may replace the one before.
+    # In two processes the vote reads step 5's flag at step 6, before the checkpoint callback saves;
+    # elsewhere the check before each save (one process) or at fit's end (the last step) finds it.
     done = lightfleet(f"trainer.devices={ranks}", "trainer.max_steps=8", "paths.output_dir=run", *QUIET,
                       "+callbacks.model_checkpoint.every_n_train_steps=2",
-                      "+callbacks.nan._target_=tests.helpers.probe.NaNInputs", "+callbacks.nan.step=5")
+                      "+callbacks.nan._target_=tests.helpers.probe.NaNInputs", f"+callbacks.nan.step={nan_step}")
     assert done.returncode == DIVERGED_EXIT, done.stderr[-3000:]
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert done.stderr.strip().splitlines() == [
-        f"lightfleet: diverged: the loss became non-finite (NaN or Inf) at step 5; the last checkpoint written "
-        f"before it: {last}"]
+        f"lightfleet: diverged: the loss became non-finite (NaN or Inf) at step {nan_step}; the last checkpoint "
+        f"written before it: {last}"]
+    good = nan_step - 1 - (nan_step - 1) % 2
     checkpoint = torch.load(last, map_location="cpu", weights_only=False)
-    assert checkpoint["global_step"] == 4
+    assert checkpoint["global_step"] == good
     assert all(torch.isfinite(tensor).all() for tensor in checkpoint["state_dict"].values())
-    assert sorted(path.name for path in last.parent.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert sorted(path.name for path in last.parent.iterdir()) == [f"epoch=0-step={good}.ckpt", "last.ckpt"]
     assert yaml.safe_load((tmp_path / "run" / "failure.yaml").read_text())["status"] == "diverged"
 
 
