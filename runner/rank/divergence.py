@@ -69,7 +69,7 @@ class NonFiniteGuard:
         # Each rank's own part of a sharded parameter; the all-reduce below joins the parts.
         finite = [(p.to_local() if isinstance(p, DTensor) else p).detach().isfinite().all().to(device)
                   for p in module.parameters()]
-        bad_parameter = ~torch.stack(finite).all() if finite else torch.tensor(False, device=device)
+        bad_parameter = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool, device=device)
         found = torch.cat([self.flag(device), bad_parameter.view(1).to(torch.int64)])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
