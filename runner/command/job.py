@@ -178,6 +178,11 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
         note = input_bound_note(ending.record, spec.cfg.data)
         if note:
             say(note)
+        restarts = files.read_yaml(records / files.RESTARTS_YAML)
+        if restarts:  # trainer.max_restarts: the ranks were started again after one died
+            say(f"lightfleet: note: the ranks were restarted {len(restarts)} time(s) after a rank died, resuming "
+                f"from step(s) {', '.join(str(restart['from_step']) for restart in restarts)} "
+                f"({records / files.RESTARTS_YAML})")
     return 0
 
 

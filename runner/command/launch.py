@@ -27,12 +27,14 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
+from omegaconf import OmegaConf
+
 from runner.command.console import progress_in_place, to_log_files
 from runner.core.errors import ConfigError, exit_on_user_error
 from runner.core.paths import python_module, user_code_last
 from runner.config.schema import TrainerConfig
 from runner.rank.parent import COMMAND_PID
-from runner.records.files import LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
+from runner.records.files import CONFIG_YAML, LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
 from runner.records.run_dir import read_plan
 from runner.core.world import World, launched_externally
 
@@ -141,7 +143,9 @@ def relayed_progress(records: Path) -> Iterator[None]:
 
 def launch_ranks(records: Path, world: World, nproc: int) -> None:
     """One rank per device of this node under torch's elastic agent, which runs in this process:
-    forked (runner/rank/train.py forked_rank) or `python -m runner.train RUN_DIR`."""
+    forked (runner/rank/train.py forked_rank) or `python -m runner.train RUN_DIR`. When a rank dies
+    the agent stops the others and, up to trainer.max_restarts times, starts them all again (they
+    resume from the newest checkpoint: runner/rank/train.py)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -165,9 +169,14 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
     # SLURM's warning before the time limit preempts as SIGTERM does: the agent passes SIGTERM on to
     # the ranks (and waits 30 s for them); SIGUSR1 would end this process at once.
     signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    restarts = OmegaConf.load(records / CONFIG_YAML).trainer.max_restarts
+    # The rendezvous store the agent shares with the ranks keeps one round's keys into the next
+    # (torch 2.14): restarted ranks would read the dead ones' addresses and fail to connect. Without
+    # sharing, each round's rank 0 serves a store of its own.
+    sharing = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if restarts else {}
     config = LaunchConfig(
         min_nodes=world.num_nodes, max_nodes=world.num_nodes, nproc_per_node=nproc,
-        max_restarts=0, monitor_interval=0.1, log_line_prefix_template="[rank${rank}]:",
+        max_restarts=restarts, monitor_interval=0.1, log_line_prefix_template="[rank${rank}]:",
         start_method="fork",  # for forked_rank; a command line starts fresh processes whatever it says
         # Every rank's stdout/stderr lands in the run directory; the console shows rank 0 only.
         logs_specs=DefaultLogsSpecs(log_dir=str(records / LOGS_DIR), redirects=Std.ALL, tee=Std.ALL,
@@ -175,6 +184,7 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
         **rendezvous,
     )
     os.environ[COMMAND_PID] = str(os.getpid())  # the ranks' tie to this process (runner/rank/parent.py)
+    os.environ.update(sharing)
     try:
         with relayed_progress(records):
             if forks_ranks(world):
@@ -185,7 +195,8 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
                 python, *arguments = python_module("runner.train")
                 elastic_launch(config, python)(*arguments, str(records))
     finally:
-        del os.environ[COMMAND_PID]  # for the ranks only: not for a later job run here
+        for name in (COMMAND_PID, *sharing):  # for this run's ranks only: not for a later job run here
+            del os.environ[name]
 
 
 if __name__ == "__main__":  # `python -m runner.command.launch RUN_DIR`: a run already recorded (auto's trials)
