@@ -51,7 +51,8 @@ def test_max_restarts_finishes_the_run_of_a_killed_rank_as_if_never_interrupted(
     assert process.returncode == 0, err
     run = tmp_path / "run"
     [restart] = yaml.safe_load((run / "restarts.yaml").read_text())
-    assert restart == {"restart": 1, "from_step": restart["from_step"], "checkpoint": str(run / "checkpoints" / "last.ckpt")}
+    assert restart == {"restart": 1, "from_step": restart["from_step"],
+                       "checkpoint": str(run / "checkpoints" / "last.ckpt")}
     assert 2 <= restart["from_step"] < 40 and restart["from_step"] % 2 == 0
     assert f"restarted 1 time(s) after a rank died, resuming from step(s) {restart['from_step']}" in out
     full = lightfleet(*RUN, "trainer.devices=2", "paths.output_dir=full", EVERY_2_STEPS)

@@ -34,8 +34,8 @@ def test_a_learning_rate_that_diverges_stops_the_run_naming_the_step(lightfleet,
     assert collect_jobs([run])[0].status == line.removeprefix("lightfleet: ")  # lightfleet report's words
 
     # The knob turns the guard off: the same run trains on to its end, as it did before the guard.
-    off = lightfleet("model.optimizer.lr=1e6", "trainer.max_steps=30", "paths.output_dir=off", "stop_on_nonfinite=false",
-                     *QUIET)
+    off = lightfleet("model.optimizer.lr=1e6", "trainer.max_steps=30", "paths.output_dir=off",
+                     "stop_on_nonfinite=false", *QUIET)
     assert off.returncode == 0, off.stderr[-3000:]
     assert math.isnan(yaml.safe_load((tmp_path / "off" / "results.yaml").read_text())["train_loss"])
 

@@ -220,7 +220,8 @@ def failed(records: Path, run_dir: Path, failure: Any, codes: Dict[int, int]) ->
         reason = last_error_line(records / files.LOGS_DIR, first.local_rank)
     # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
     code = 2 if 2 in codes.values() else 1
-    resume = f"; continue with: lightfleet resume {run_dir}" if code == 1 and (run_dir / files.LAST_CHECKPOINT).exists() else ""
+    resumable = code == 1 and (run_dir / files.LAST_CHECKPOINT).exists()
+    resume = f"; continue with: lightfleet resume {run_dir}" if resumable else ""
     say(f"lightfleet: run failed: rank {rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
         f"rank {codes}; logs in {records / files.LOGS_DIR}){resume}", sys.stderr)
     record_failure(records, code, reason)

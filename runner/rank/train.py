@@ -77,7 +77,8 @@ def log_to_job_log(records: Path, verbose: bool) -> None:
     logging.captureWarnings(True)
 
 
-def train(cfg: DictConfig, plan: Plan, records: Path, kept_metrics: Optional[List[Dict[str, str]]] = None) -> Dict[str, Any]:
+def train(cfg: DictConfig, plan: Plan, records: Path,
+          kept_metrics: Optional[List[Dict[str, str]]] = None) -> Dict[str, Any]:
     """Build, fit, and record the final metrics (rank 0 writes results.yaml). `cfg` and `plan` are
     the run's as the command's preflight checked and saved them in `records`; `kept_metrics`, the
     rows a restarted run keeps (resume_after_restart)."""
@@ -157,7 +158,8 @@ def resume_after_restart(cfg: DictConfig, records: Path, restart: int) -> List[D
     if os.environ.get("RANK", "0") != "0":
         return []
     restarts = read_yaml(records / RESTARTS_YAML) or []
-    write_yaml(records / RESTARTS_YAML, [*restarts, {"restart": restart, "from_step": step, "checkpoint": cfg.ckpt_path}])
+    restarts.append({"restart": restart, "from_step": step, "checkpoint": cfg.ckpt_path})
+    write_yaml(records / RESTARTS_YAML, restarts)
     metrics = Path(cfg.paths.output_dir) / METRICS_CSV
     if not metrics.is_file():
         return []

@@ -54,7 +54,8 @@ def test_how_a_job_directory_ended(tmp_path, records, ending):
     ("RuntimeError: boom", FAILED, FAILED),
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", FAILED, OUT_OF_MEMORY),
     ("preempted by SIGTERM at step 3", PREEMPTED, PREEMPTED),
-    ("diverged: the loss became non-finite (NaN or Inf) at step 5; no checkpoint was written before it", DIVERGED, DIVERGED),
+    ("diverged: the loss became non-finite (NaN or Inf) at step 5; no checkpoint was written before it",
+     DIVERGED, DIVERGED),
 ])
 def test_a_recorded_failure_reads_back_as_its_outcome(tmp_path, error, status, outcome):
     record_failure(tmp_path, 1, error, status)

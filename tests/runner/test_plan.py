@@ -315,8 +315,8 @@ def test_at_the_defaults_lightfleet_adds_its_callbacks_and_lightfleet_ddp_its_bu
     assert [c.component.target for c in alone.callbacks] == RUNNER_CALLBACKS
     unmeasured = plan_for(spec_for("measure.enabled=false", "measure.warmup_steps=2"))
     assert [c.component.target for c in unmeasured.callbacks] == RUNNER_CALLBACKS[1:]
-    guards = {knob: next(c.component.kwargs for c in plan_for(spec_for(*knob)).callbacks if "Preemption" in c.component.target)
-              for knob in ((), ("stop_on_nonfinite=false",))}
+    guards = {knob: next(c.component.kwargs for c in plan_for(spec_for(*knob)).callbacks
+                         if "Preemption" in c.component.target) for knob in ((), ("stop_on_nonfinite=false",))}
     assert guards == {(): {"stop_on_nonfinite": True}, ("stop_on_nonfinite=false",): {"stop_on_nonfinite": False}}
     two = plan_for(spec_for("trainer.devices=2"))
     assert {arg: claim["value"] for arg, claim in two.lightning_strategy_args.items()} == {
