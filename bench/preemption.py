@@ -1,6 +1,7 @@
 """What preemption costs a run that is never preempted: the ranks agree after every optimizer
 step whether any of them got a signal (runner/rank/preemption.py: `Preemption.agreed`, one all-reduce
-of a one-element tensor). Measured side by side in 2 processes over gloo: blocks of training
+of a small tensor), and whether a loss was non-finite (runner/rank/divergence.py: the guard notes
+each loss and folds it into the vote). Measured side by side in 2 processes over gloo: blocks of training
 steps of the quickstart MLP (runner.models.MLPClassifier, batch 64 per process, DDP) with the
 agreement after each step and without it, interleaved; the ratio is the median over the pairs.
 
@@ -49,11 +50,14 @@ def rank_main(rank: int, port: int, pairs: int, steps: int, out: str) -> None:
     def block(agree: bool) -> float:
         dist.barrier()
         started = time.perf_counter()
-        for _ in range(steps):
+        for step in range(steps):
             optimizer.zero_grad()
-            F.cross_entropy(model(inputs), labels).backward()
+            loss = F.cross_entropy(model(inputs), labels)
+            loss.backward()
             optimizer.step()
-            if agree:
+            if agree:  # as Preemption.on_train_batch_end does
+                preemption.guard.note({"loss": loss})
+                preemption.guard.fold(step + 1)
                 assert not preemption.agreed(trainer)
         return time.perf_counter() - started
 

@@ -32,6 +32,7 @@ BY_HAND = [
     ["trainer.limit_train_batches=-1"], ["trainer.limit_val_batches=1.5"], ["trainer.accelerator=cpuu"],
     ["trainer.accelerator=gpu"], ["trainer.devices=[0,1]"], ["trainer.devices=0"], ["trainer.num_nodes=0"],
     ["trainer.gradient_clip_val=-1"], ["trainer.profiler=simpel"], ["trainer.fast_dev_run=-1"],
+    ["trainer.max_restarts=-1"], ["trainer.max_restarts=1"],  # restarts of one process, which runs in the command
     ["strategy=[amp]", "strategy.amp.init_loss_scaling=inf"], ["strategy=[dgc]", "strategy.dgc.sparsity=[0.5,nan]"],
     ["strategy=[[amp]]"], ["strategy=[amp"], ["strategy=[ampp]"], ["strategy=[lars,lamb]"],
     ["name=${now:}"], ["name=${oops}"], ["model.hidden_dim=${data.nope}"], ["trainer.max_steps"], ["=3"],

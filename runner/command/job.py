@@ -34,7 +34,7 @@ from runner.core.clock import mark_start
 from runner.records import files
 from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.core.world import World, external_rank
-from runner.rank.parent import INTERRUPTED, STOPPED, exit_status
+from runner.rank.parent import DIVERGED_EXIT, INTERRUPTED, STOPPED, exit_status
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from runner.rank.divergence import Diverged
     from runner.rank.preemption import Preempted
 
     choosing = ""  # strategy=[auto]'s choice, said apart from the training on the done line
@@ -149,21 +150,22 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
         # In this process, Preempted knows the step; from the agent, the signal the ranks were passed.
         signum, step = (stop.signum, stop.step) if isinstance(stop, Preempted) else (stop.sigval, None)
         return preempted(records, run_dir, signum, step)
+    except Diverged as stop:  # in this process: recorded here
+        say(f"lightfleet: {stop}", sys.stderr)
+        record_failure(records, DIVERGED_EXIT, str(stop), status=files.DIVERGED)
+        return DIVERGED_EXIT
     except ChildFailedError as failure:
         codes = {rank: f.exitcode for rank, f in sorted(failure.failures.items())}
         # The ranks signalled, not this process (a scheduler's SIGTERM to them alone): they stopped
-        # as on the command's own, and the agent may have ended the slower one (a negative status).
-        if any(code in STOPPED for code in codes.values()) and all(code in STOPPED or code < 0
+        # as on the command's own, and the agent may have ended the slower one (its SIGTERM). A rank
+        # killed otherwise (SIGKILL: the out-of-memory killer) is a failure, not a preemption.
+        if any(code in STOPPED for code in codes.values()) and all(code in STOPPED or code == -signal.SIGTERM
                                                                    for code in codes.values()):
             return preempted(records, run_dir, signal.SIGINT if INTERRUPTED in codes.values() else signal.SIGTERM)
-        first_rank, first = failure.get_first_failure()
-        reason = last_error_line(records / files.LOGS_DIR, first.local_rank)
-        say(f"lightfleet: run failed: rank {first_rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
-            f"rank {codes}; logs in {records / files.LOGS_DIR})", sys.stderr)
-        # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
-        code = 2 if 2 in codes.values() else 1
-        record_failure(records, code, reason)
-        return code
+        if DIVERGED_EXIT in codes.values():  # the ranks recorded it, all at the same step
+            say(f"lightfleet: {files.job_ending(records).record['error']}", sys.stderr)
+            return DIVERGED_EXIT
+        return failed(records, run_dir, failure, codes)
     except Exception as error:  # in this process: recorded, then handled as any error
         record_failure(records, 2 if isinstance(error, ConfigError) else 1, error_line(error))
         raise
@@ -176,7 +178,54 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
         note = input_bound_note(ending.record, spec.cfg.data)
         if note:
             say(note)
+        restarts = files.read_yaml(records / files.RESTARTS_YAML)
+        if restarts:  # trainer.max_restarts: the ranks were started again after one died
+            say(f"lightfleet: note: the ranks were restarted {len(restarts)} time(s) after a rank died, resuming "
+                f"from step(s) {', '.join(str(restart['from_step']) for restart in restarts)} "
+                f"({records / files.RESTARTS_YAML})")
     return 0
+
+
+# A rank that died of a signal: what most likely sent it, for the summary line.
+SIGNAL_WORDS = {
+    signal.SIGKILL: "killed from outside, often the out-of-memory killer",
+    signal.SIGSEGV: "a segmentation fault: an invalid memory access in native code",
+    signal.SIGBUS: "a bus error: memory that cannot be read, often a full /dev/shm (the data loader workers' "
+                   "shared memory) or a memory-mapped file truncated under it",
+    signal.SIGABRT: "aborted by native code (a failed assertion or an uncaught C++ exception)",
+    signal.SIGILL: "an illegal instruction: a library built for another CPU",
+    signal.SIGFPE: "an arithmetic fault in native code",
+    signal.SIGTERM: "stopped from outside before it could checkpoint",
+}
+
+
+def killed_by(signum: int) -> str:
+    """`SIGKILL: killed from outside, ...`: a signal's name and what most likely sent it."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:  # a real-time signal
+        name = f"signal {signum}"
+    return f"{name}: {SIGNAL_WORDS.get(signum, signal.strsignal(signum) or 'unknown')}"
+
+
+def failed(records: Path, run_dir: Path, failure: Any, codes: Dict[int, int]) -> int:
+    """Say why ranks failed (torch's ChildFailedError `failure`), record it, and return the exit status.
+    A rank killed by a signal is named first: the others then fail on their lost peer."""
+    killed = [(rank, code) for rank, code in codes.items() if code < 0]
+    if killed:
+        rank, code = killed[0]
+        reason = killed_by(-code)
+    else:
+        rank, first = failure.get_first_failure()
+        reason = last_error_line(records / files.LOGS_DIR, first.local_rank)
+    # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
+    code = 2 if 2 in codes.values() else 1
+    resumable = code == 1 and (run_dir / files.LAST_CHECKPOINT).exists()
+    resume = f"; continue with: lightfleet resume {run_dir}" if resumable else ""
+    say(f"lightfleet: run failed: rank {rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
+        f"rank {codes}; logs in {records / files.LOGS_DIR}){resume}", sys.stderr)
+    record_failure(records, code, reason)
+    return code
 
 
 def preempted(records: Path, run_dir: Path, signum: int, step: Optional[int] = None) -> int:

@@ -27,14 +27,23 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
-from runner.command.console import progress_in_place
+from omegaconf import OmegaConf
+
+from runner.command.console import progress_in_place, to_log_files
 from runner.core.errors import ConfigError, exit_on_user_error
 from runner.core.paths import python_module, user_code_last
 from runner.config.schema import TrainerConfig
 from runner.rank.parent import COMMAND_PID
-from runner.records.files import LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
+from runner.records.files import CONFIG_YAML, LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
 from runner.records.run_dir import read_plan
 from runner.core.world import World, launched_externally
+
+
+class LogFilesOnly(logging.Handler):
+    """Records into the job's log file, not onto the console."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        to_log_files(record)
 
 
 def processes_per_node(world: World) -> int:
@@ -134,15 +143,19 @@ def relayed_progress(records: Path) -> Iterator[None]:
 
 def launch_ranks(records: Path, world: World, nproc: int) -> None:
     """One rank per device of this node under torch's elastic agent, which runs in this process:
-    forked (runner/rank/train.py forked_rank) or `python -m runner.train RUN_DIR`."""
+    forked (runner/rank/train.py forked_rank) or `python -m runner.train RUN_DIR`. When a rank dies
+    the agent stops the others and, up to trainer.max_restarts times, starts them all again (they
+    resume from the newest checkpoint: runner/rank/train.py)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent's own warnings about stopping ranks ("Received 2 death signal") repeat what the
-    # CLI's summary line says. Each of its modules' loggers sets its own level: quiet them all.
+    # The agent's own warnings about stopping ranks ("Received 2 death signal", torch.multiprocessing's
+    # "Terminating process ... via signal SIGTERM") repeat what the CLI's summary line says. Each of
+    # its modules' loggers sets its own level: quiet them all on the console, into the job's log.
     for name in list(logging.Logger.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            agent = logging.getLogger(name)
+            agent.handlers, agent.propagate = [LogFilesOnly()], False
 
     if world.num_nodes > 1:  # every node runs the same command; NODE_RANK orders them
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -156,9 +169,14 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
     # SLURM's warning before the time limit preempts as SIGTERM does: the agent passes SIGTERM on to
     # the ranks (and waits 30 s for them); SIGUSR1 would end this process at once.
     signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    restarts = OmegaConf.load(records / CONFIG_YAML).trainer.max_restarts
+    # The rendezvous store the agent shares with the ranks keeps one round's keys into the next
+    # (torch 2.14): restarted ranks would read the dead ones' addresses and fail to connect. Without
+    # sharing, each round's rank 0 serves a store of its own.
+    sharing = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if restarts else {}
     config = LaunchConfig(
         min_nodes=world.num_nodes, max_nodes=world.num_nodes, nproc_per_node=nproc,
-        max_restarts=0, monitor_interval=0.1, log_line_prefix_template="[rank${rank}]:",
+        max_restarts=restarts, monitor_interval=0.1, log_line_prefix_template="[rank${rank}]:",
         start_method="fork",  # for forked_rank; a command line starts fresh processes whatever it says
         # Every rank's stdout/stderr lands in the run directory; the console shows rank 0 only.
         logs_specs=DefaultLogsSpecs(log_dir=str(records / LOGS_DIR), redirects=Std.ALL, tee=Std.ALL,
@@ -166,6 +184,7 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
         **rendezvous,
     )
     os.environ[COMMAND_PID] = str(os.getpid())  # the ranks' tie to this process (runner/rank/parent.py)
+    os.environ.update(sharing)
     try:
         with relayed_progress(records):
             if forks_ranks(world):
@@ -176,7 +195,8 @@ def launch_ranks(records: Path, world: World, nproc: int) -> None:
                 python, *arguments = python_module("runner.train")
                 elastic_launch(config, python)(*arguments, str(records))
     finally:
-        del os.environ[COMMAND_PID]  # for the ranks only: not for a later job run here
+        for name in (COMMAND_PID, *sharing):  # for this run's ranks only: not for a later job run here
+            del os.environ[name]
 
 
 if __name__ == "__main__":  # `python -m runner.command.launch RUN_DIR`: a run already recorded (auto's trials)

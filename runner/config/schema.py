@@ -25,6 +25,7 @@ StrategyConfig = make_dataclass(
 
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+LIGHTFLEET_TRAINER_KNOBS = ("max_restarts",)  # trainer.* knobs lightfleet carries out itself, not Lightning's Trainer
 PROFILERS = ("simple", "advanced", "pytorch", "xla")
 
 
@@ -53,7 +54,7 @@ def is_batches(value: Any, lowest: int) -> bool:
 
 @dataclass
 class TrainerConfig:
-    """Arguments of `pytorch_lightning.Trainer`. lightfleet owns `strategy`, `precision`,
+    """Arguments of `pytorch_lightning.Trainer`, and LIGHTFLEET_TRAINER_KNOBS. lightfleet owns `strategy`, `precision`,
     `plugins`, `callbacks`, `logger` and `default_root_dir` (they come from the plan and the
     config groups), so they are not knobs here."""
 
@@ -127,6 +128,11 @@ class TrainerConfig:
     """Log the module's hyperparameters to the loggers."""
     model_registry: Optional[str] = None
     """Lightning model registry name (unused by lightfleet)."""
+    max_restarts: int = 0
+    """lightfleet's own, not Lightning's: when a rank dies (killed, out of memory), restart the ranks
+    up to this many times in the same command, resuming from the newest checkpoints/last.ckpt as
+    `lightfleet resume` would (torch elastic's restarts; for ranks the command starts, so
+    trainer.devices >= 2). restarts.yaml records each restart."""
 
     def __post_init__(self) -> None:
         devices_ok = not isinstance(self.devices, bool) and (  # true is an int to Python, not a count
@@ -137,6 +143,10 @@ class TrainerConfig:
                 "allowed: \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\"), a mapping such as {hours: 12}, or null; keys: "
                 + ", ".join(TIMEDELTA_KEYS))
         require(self.num_nodes >= 1, "trainer.num_nodes", self.num_nodes, "must be >= 1")
+        require(self.max_restarts >= 0, "trainer.max_restarts", self.max_restarts, "must be >= 0")
+        require(not self.max_restarts or self.devices != 1 or self.num_nodes > 1, "trainer.max_restarts",
+                self.max_restarts, "restarts are of the ranks the command starts (trainer.devices >= 2); "
+                "a single process trains inside the command")
         require(self.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches",
                 self.accumulate_grad_batches, "must be >= 1")
         require(self.accelerator in ACCELERATORS, "trainer.accelerator", self.accelerator,
@@ -238,6 +248,10 @@ class RunConfig:
     """Run the test stage after fit (the data module needs a test_dataloader)."""
     evaluate: bool = False
     """Only evaluate ckpt_path's weights: validation (and test with test=true), no training."""
+    stop_on_nonfinite: bool = True
+    """Stop the run when the loss or a parameter becomes NaN or Inf: one line naming the step and the
+    last checkpoint written before it, exit status 3, failure.yaml's status `diverged`; no
+    checkpoint with non-finite weights is written (docs/reliability.md). false: train on."""
     verbose: bool = False
     """Show Lightning's informational lines (devices, distributed setup, tips); hydra.verbose=true
     and the --verbose flag set it too."""

@@ -33,6 +33,7 @@ from runner.config.arguments import check_arguments
 from runner.core import world
 from runner.core.errors import ConfigError, first_line
 from runner.config.collective import LIGHTFLEET_DDP
+from runner.config.schema import LIGHTFLEET_TRAINER_KNOBS
 from runner.core.plan import AFTER_USER, Claim, Plan
 from runner.rank.measure import RunMeter
 from runner.records.files import BUILD_YAML
@@ -80,7 +81,8 @@ def build(cfg: DictConfig, plan: Plan, run_dir: Path) -> Built:
         replace_optimizers(model, optimizer_replacement(plan, model))
     for claim in plan.optimizer_transforms:  # after the replacement: they change the optimizer it made
         replace_optimizers(model, partial(claim.component.load(), **claim.component.kwargs))
-    trainer_args = {**OmegaConf.to_container(cfg.trainer, resolve=True),
+    trainer_args = {**{arg: value for arg, value in OmegaConf.to_container(cfg.trainer, resolve=True).items()
+                       if arg not in LIGHTFLEET_TRAINER_KNOBS},
                     **{arg: claim["value"] for arg, claim in plan.trainer_args.items()}}
     plugins: List[Any] = []
     if plan.precision is not None:

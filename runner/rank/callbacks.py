@@ -1,5 +1,6 @@
 """lightfleet's own callbacks, in every run's plan (`<- lightfleet`), after the user's: the
-measurements (runner/rank/measure.py), the preemption checkpoint (preemption.py), what an exact
+measurements (runner/rank/measure.py), the preemption checkpoint and the guard against non-finite
+training (preemption.py, divergence.py), what an exact
 resume needs (resume.py) and the progress bar (progress.py). Named here, beside them, as the
 plan names every component: by import path, loaded in each rank. Imports no torch.
 """
@@ -17,7 +18,8 @@ def runner_callbacks(spec: RunSpec) -> Contribution:
     return Contribution(callbacks=[
         *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
         Component("runner.rank.measure:LastValidation"),  # the step of the summary's val_loss
-        Component("runner.rank.preemption:Preemption"),  # checkpoints/last.ckpt at a preemption signal
+        # checkpoints/last.ckpt at a preemption signal; a stop where training stops being finite
+        Component("runner.rank.preemption:Preemption", {"stop_on_nonfinite": spec.cfg.stop_on_nonfinite}),
         Component("runner.rank.resume:RandomStates"), Component("runner.rank.resume:EpochEndPosition"),  # exact resumes
         *([Component("runner.rank.progress:StepsProgressBar")] if shows_own_progress_bar(spec) else [])])
 

@@ -2,6 +2,7 @@
 rank of a multi-process run (started by runner/command/launch.py: forked_rank, or runner/train.py)."""
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import sys
@@ -9,16 +10,17 @@ import sysconfig
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
 from runner.core.plan import Plan
 from runner.core.clock import started_at
-from runner.records.files import CONFIG_YAML, JOB_LOG, RESULTS_YAML, rank_traceback
-from runner.records.run_dir import read_plan, write_yaml
-from runner.rank.parent import start_clean, tie_to_command
+from runner.records.files import (CONFIG_YAML, DIVERGED, JOB_LOG, LAST_CHECKPOINT, METRICS_CSV, RESTARTS_YAML,
+                                  RESULTS_YAML, rank_traceback, read_yaml)
+from runner.records.run_dir import checkpoint_contents, read_plan, record_failure, write_yaml
+from runner.rank.parent import DIVERGED_EXIT, start_clean, tie_to_command
 
 
 # Where the libraries are installed: their log records and warnings go to the job's log only
@@ -29,6 +31,7 @@ OWN_SOURCES = tuple(str(Path(__file__).parents[2] / package) + os.sep for packag
 # top loggers when imported before logging is configured (as the command imports them), torch's
 # registered ones (torch, torch.distributed, torch.distributed.fsdp, ...) always.
 LIBRARY_PACKAGES = ("pytorch_lightning", "lightning_fabric", "torch")
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torch's elastic agent in each rank it starts: 0, then 1, ...
 
 
 class NotFromLibraries(logging.Filter):
@@ -74,9 +77,11 @@ def log_to_job_log(records: Path, verbose: bool) -> None:
     logging.captureWarnings(True)
 
 
-def train(cfg: DictConfig, plan: Plan, records: Path) -> Dict[str, Any]:
+def train(cfg: DictConfig, plan: Plan, records: Path,
+          kept_metrics: Optional[List[Dict[str, str]]] = None) -> Dict[str, Any]:
     """Build, fit, and record the final metrics (rank 0 writes results.yaml). `cfg` and `plan` are
-    the run's as the command's preflight checked and saved them in `records`."""
+    the run's as the command's preflight checked and saved them in `records`; `kept_metrics`, the
+    rows a restarted run keeps (resume_after_restart)."""
     import torch
 
     from pytorch_lightning.utilities.model_helpers import is_overridden
@@ -88,6 +93,8 @@ def train(cfg: DictConfig, plan: Plan, records: Path) -> Dict[str, Any]:
     run_dir = Path(cfg.paths.output_dir)
     built = build(cfg, plan, run_dir)
     trainer = built.trainer
+    if kept_metrics:
+        keep_metrics(trainer, kept_metrics)
     if cfg.test:
         for hook, owner in (("test_dataloader", built.datamodule), ("test_step", built.model)):
             require(is_overridden(hook, owner), "test", True, f"{type(owner).__name__} has no {hook}")
@@ -133,7 +140,43 @@ def train_from(records: Path) -> Dict[str, Any]:
     cfg = OmegaConf.load(records / CONFIG_YAML)
     require(not (Path(cfg.paths.output_dir) / RESULTS_YAML).exists(), "run directory", str(records),
             f"has finished; `lightfleet replay {records}` runs it again in a new directory")
-    return train(cfg, read_plan(records), records)
+    restart = int(os.environ.get(RESTART_COUNT, "0"))
+    kept = resume_after_restart(cfg, records, restart) if restart else None
+    return train(cfg, read_plan(records), records, kept)
+
+
+def resume_after_restart(cfg: DictConfig, records: Path, restart: int) -> List[Dict[str, str]]:
+    """Ranks torch's elastic agent started again after one died (trainer.max_restarts) go on as
+    `lightfleet resume` would: from the newest checkpoints/last.ckpt, else from the run's own start
+    (its ckpt_path, if any). Rank 0 records the restart in restarts.yaml. Returns the metrics rows
+    logged before the checkpoint's step, which the CSV logger, made again, would otherwise delete
+    (the rows after it are logged again: none twice)."""
+    last = Path(cfg.paths.output_dir) / LAST_CHECKPOINT
+    step = 0
+    if last.exists():
+        cfg.ckpt_path, step = str(last), checkpoint_contents(last).step
+    if os.environ.get("RANK", "0") != "0":
+        return []
+    restarts = read_yaml(records / RESTARTS_YAML) or []
+    restarts.append({"restart": restart, "from_step": step, "checkpoint": cfg.ckpt_path})
+    write_yaml(records / RESTARTS_YAML, restarts)
+    metrics = Path(cfg.paths.output_dir) / METRICS_CSV
+    if not metrics.is_file():
+        return []
+    with metrics.open(newline="") as lines:
+        return [row for row in csv.DictReader(lines) if row.get("step") and int(row["step"]) < step]
+
+
+def keep_metrics(trainer: Any, rows: List[Dict[str, str]]) -> None:
+    """Log `rows` (resume_after_restart's) again through the run's CSV logger, before the new ones."""
+    from pytorch_lightning.loggers import CSVLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            for row in rows:
+                values = {name: int(value) if value.isdigit() else float(value)
+                          for name, value in row.items() if value and name != "step"}
+                logger.experiment.log_metrics(values, int(row["step"]))
 
 
 def report_failure(records: Path, error: Exception) -> int:
@@ -151,6 +194,7 @@ def main(records: Path) -> None:
     """One rank of a run, started by runner/command/launch.py: forked from the command
     (forked_rank, below) or as `python -m runner.train RUN_DIR` (runner/train.py). Returns once
     everything is written; stopped or failed, it leaves with its exit status."""
+    from runner.rank.divergence import Diverged
     from runner.rank.preemption import Preempted
 
     with exit_on_user_error():
@@ -159,11 +203,21 @@ def main(records: Path) -> None:
         except (ConfigError, Refusal):
             raise
         except Preempted as stopped:  # the checkpoint is written: leave as below, 143 or (Ctrl-C) 130
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(stopped.code)
+            leave(stopped.code)
+        except Diverged as stopped:  # every rank at the same step, with the same line
+            # Each rank records it (the same file, replaced whole) before leaving: the command says
+            # it once from there, whichever rank the elastic agent saw leave first.
+            record_failure(records, DIVERGED_EXIT, str(stopped), status=DIVERGED)
+            leave(DIVERGED_EXIT)
         except Exception as failure:  # noqa: BLE001 (whatever the user's code raises)
             sys.exit(report_failure(records, failure))
+
+
+def leave(code: int) -> None:
+    """Leave at once with `code`, what was printed flushed: the run has recorded how it ended."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def forked_rank(records: str) -> None:

@@ -19,6 +19,7 @@ ENV_YAML = "env.yaml"  # command, versions, git commit, host
 BUILD_YAML = "build.yaml"  # what build resolved (e.g. the modules recompute wrapped)
 RESULTS_YAML = "results.yaml"  # final metrics and measurements, by rank 0 when the run finished
 FAILURE_YAML = "failure.yaml"  # how a run that did not finish ended: status (an outcome), exit_code, error
+RESTARTS_YAML = "restarts.yaml"  # each restart of the ranks (trainer.max_restarts): its number, from_step, checkpoint
 REFUSED_YAML = "refused.yaml"  # why a sweep's job never started: its overrides and the reason (alone in its directory)
 METRICS_CSV = "csv/metrics.csv"  # the CSV logger's (conf/logger/csv.yaml)
 LAST_CHECKPOINT = "checkpoints/last.ckpt"  # ModelCheckpoint's save_last (conf/callbacks/model_checkpoint.yaml)
@@ -52,7 +53,8 @@ FAILED = "failed"
 OUT_OF_MEMORY = "out_of_memory"  # told apart from failed: the cure differs
 REFUSED = "refused"  # never started: the table or a check refused it
 PREEMPTED = "preempted"  # stopped by a signal after saving LAST_CHECKPOINT: resume it
-OUTCOMES = (FINISHED, FAILED, OUT_OF_MEMORY, REFUSED, PREEMPTED)
+DIVERGED = "diverged"  # stopped where the loss or a parameter became NaN or Inf (runner/rank/divergence.py)
+OUTCOMES = (FINISHED, FAILED, OUT_OF_MEMORY, REFUSED, PREEMPTED, DIVERGED)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from runner.core.errors import ConfigError
-from runner.records.files import (CONFIG_YAML, ENV_YAML, FINISHED, METRICS_CSV, MULTIRUN_YAML, OUT_OF_MEMORY,
+from runner.records.files import (CONFIG_YAML, DIVERGED, ENV_YAML, FINISHED, METRICS_CSV, MULTIRUN_YAML, OUT_OF_MEMORY,
                                   REFUSED, SWEEP_YAML, holds_run, holds_sweep, job_ending, read_yaml)
 
 
@@ -115,6 +115,8 @@ def status_text(outcome: str, record: Dict[str, Any]) -> str:
         return "failed: did not finish"
     if outcome == OUT_OF_MEMORY:
         return "out of memory"
+    if outcome == DIVERGED:  # its error says so first: "diverged: the loss became non-finite ... at step N; ..."
+        return one_line(record.get("error"))
     exit_code = record.get("exit_code")
     return f"failed{'' if exit_code is None else f' (exit {exit_code})'}: {one_line(record.get('error'))}"
 

@@ -401,6 +401,22 @@ class FailingStep(pl.Callback):
             raise RuntimeError(f"the user's callback failed at step {self.at_step}")
 
 
+# tests/test_divergence.py
+
+
+class NaNInputs(pl.Callback):
+    """The inputs of training step `step` (counted from 1, as global_step counts steps taken) made
+    NaN: that step's loss is non-finite, and so are the parameters it updates."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step + 1 == self.step:
+            batch[0].fill_(float("nan"))
+
+
 # --------------------------------------------------------------------------- shared by in-process tests
 
 

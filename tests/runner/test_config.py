@@ -69,12 +69,16 @@ def test_auto_composes_with_its_knobs(spec_for):
 
 
 def test_trainer_schema_covers_lightning_trainer():
-    """Every Trainer argument is a knob except those the plan and config groups own."""
+    """Every Trainer argument is a knob except those the plan and config groups own; lightfleet's own
+    trainer knobs (max_restarts) are the rest."""
     import pytorch_lightning as pl
+
+    from runner.config.schema import LIGHTFLEET_TRAINER_KNOBS
 
     owned = {"self", "strategy", "precision", "plugins", "callbacks", "logger", "default_root_dir"}
     lightning = set(inspect.signature(pl.Trainer.__init__).parameters) - owned
-    assert lightning == set(TrainerConfig.__dataclass_fields__)
+    assert lightning == set(TrainerConfig.__dataclass_fields__) - set(LIGHTFLEET_TRAINER_KNOBS)
+    assert not lightning & set(LIGHTFLEET_TRAINER_KNOBS)
 
 
 def test_knob_reference_is_current():

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 
 from runner.config.compose import compose_config
 from runner.records import files
-from runner.records.files import (FAILED, FINISHED, OUT_OF_MEMORY, PREEMPTED, REFUSED, Ending, job_ending,
+from runner.records.files import (DIVERGED, FAILED, FINISHED, OUT_OF_MEMORY, PREEMPTED, REFUSED, Ending, job_ending,
                                   rank_traceback)
 from runner.records.run_dir import record_failure
 
@@ -27,7 +27,7 @@ def write(path: Path, data: object) -> None:
 
 
 def test_the_outcomes_are_the_strings_the_records_hold():
-    assert files.OUTCOMES == ("finished", "failed", "out_of_memory", "refused", "preempted")
+    assert files.OUTCOMES == ("finished", "failed", "out_of_memory", "refused", "preempted", "diverged")
 
 
 @pytest.mark.parametrize("records, ending", [
@@ -54,6 +54,8 @@ def test_how_a_job_directory_ended(tmp_path, records, ending):
     ("RuntimeError: boom", FAILED, FAILED),
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", FAILED, OUT_OF_MEMORY),
     ("preempted by SIGTERM at step 3", PREEMPTED, PREEMPTED),
+    ("diverged: the loss became non-finite (NaN or Inf) at step 5; no checkpoint was written before it",
+     DIVERGED, DIVERGED),
 ])
 def test_a_recorded_failure_reads_back_as_its_outcome(tmp_path, error, status, outcome):
     record_failure(tmp_path, 1, error, status)

@@ -333,7 +333,8 @@ def test_the_plan_names_compile_foreach_ddp_arguments_the_timeout_and_the_runner
                  "  plugins.collective:CollectiveSetup(num_threads=2, gpu_memory_fraction=None, "
                  "cudnn_exhaustive_search=True, sync_batch_norm=False)  <- collective",
                  "  runner.rank.measure:RunMeter(warmup_steps=5)  <- lightfleet",
-                 *(f"  {target}()  <- lightfleet" for target in RUNNER_CALLBACKS[1:])]:
+                 "  runner.rank.preemption:Preemption(stop_on_nonfinite=True)  <- lightfleet",
+                 *(f"  {target}()  <- lightfleet" for target in RUNNER_CALLBACKS[1:] if "Preemption" not in target)]:
         assert line in printed, line
     saved = plan.to_dict()
     assert saved["lightning_strategy_args"] == {"bucket_cap_mb": {"value": 8.0, "by": "collective"},
@@ -361,6 +362,9 @@ def test_at_the_defaults_lightfleet_adds_its_callbacks_and_lightfleet_ddp_its_bu
     assert [c.component.target for c in alone.callbacks] == RUNNER_CALLBACKS
     unmeasured = plan_for(spec_for("measure.enabled=false", "measure.warmup_steps=2"))
     assert [c.component.target for c in unmeasured.callbacks] == RUNNER_CALLBACKS[1:]
+    guards = {knob: next(c.component.kwargs for c in plan_for(spec_for(*knob)).callbacks
+                         if "Preemption" in c.component.target) for knob in ((), ("stop_on_nonfinite=false",))}
+    assert guards == {(): {"stop_on_nonfinite": True}, ("stop_on_nonfinite=false",): {"stop_on_nonfinite": False}}
     two = plan_for(spec_for("trainer.devices=2"))
     assert {arg: claim["value"] for arg, claim in two.lightning_strategy_args.items()} == {
         "bucket_cap_mb": 32.0, "find_unused_parameters": False}

@@ -93,17 +93,19 @@ def test_a_refused_job_is_a_row_and_rows_sort_by_throughput_with_speedup_over_th
     assert printed.splitlines()[-1] == " ".join(str(sweep / name) for name in ["report.csv", "report.md", *PLOTS])
 
 
-def test_failed_out_of_memory_and_unfinished_jobs_are_reported_and_the_report_succeeds(tmp_path, capsys):
+def test_failed_out_of_memory_diverged_and_unfinished_jobs_are_reported_and_the_report_succeeds(tmp_path, capsys):
     sweep = tmp_path / "sweep"
+    diverged = "diverged: the loss became non-finite (NaN or Inf) at step 5; no checkpoint was written before it"
     make_job(sweep / "0", samples_per_s=100.0)
     make_job(sweep / "1", failure={"status": "failed", "exit_code": 1, "error": "RuntimeError: boom"})
     make_job(sweep / "2", failure={"status": "out_of_memory", "exit_code": 1, "error": "CUDA out of memory"})
     make_job(sweep / "3")  # killed: neither results.yaml nor failure.yaml
+    make_job(sweep / "4", failure={"status": "diverged", "exit_code": 3, "error": diverged})
     make_sweep(sweep)
     assert main([str(sweep)]) == 0
     statuses = {row["job"]: row["status"] for row in rows_of(sweep)}
     assert statuses == {"0": "ok", "1": "failed (exit 1): RuntimeError: boom", "2": "out of memory",
-                        "3": "failed: did not finish"}
+                        "3": "failed: did not finish", "4": diverged}
     printed = capsys.readouterr().out
     assert "| failed (exit 1): RuntimeError: boom |" in printed and "| out of memory |" in printed
 
