@@ -126,6 +126,8 @@ DIRECTORIES = {
 @pytest.mark.parametrize("directory", list(DIRECTORIES))
 def test_a_run_or_sweep_directory_takes_a_home_relative_path(directory, form, home, elsewhere):
     args, under = DIRECTORIES[directory]
+    tag = f"{form.__name__}-"  # a directory per form: reserving it makes it the first command's for good
+    args, under = [arg.replace("=~/", f"=~/{tag}") for arg in args], tag + under
     overrides = [home_expanded(arg) for arg in form(args)]  # as the command takes its arguments
     sweep = any("," in arg for arg in overrides)
     cfg = preflight.compose(overrides, None, CONFIG_NAME, multirun=sweep)
