@@ -1,0 +1,99 @@
+"""A sweep that a signal stops, and continues later: what the command and its jobs share.
+
+A signal to the command (SIGTERM, SIGUSR1, Ctrl-C) stops the whole sweep, in every launcher. The
+first to see it (the command, or a job it runs in its own process under the basic launcher) marks
+the sweep directory (SWEEP_STOPPED): a job that starts after that does not run. Jobs a launcher runs
+in processes of their own (joblib's loky workers, submitit's job processes) are not reached by a
+signal to the command (the workers are re-parented to init when it dies), so the command passes it
+on to its child processes and waits for its launcher: each running job saves its checkpoint and
+ends as a preempted run does, and the command leaves only after that. Between jobs a worker takes
+such a signal as nothing: were it to die, loky would kill the other workers, mid-checkpoint.
+
+sweep.yaml lists every job the sweeper planned with how it ended, the never started ones too, and
+the command line, from which `lightfleet resume SWEEP_DIR` (runner/command/cli.py) continues it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+from runner.rank.preemption import SIGNALS
+from runner.records.files import ATTEMPTS_DIR, SWEEP_STOPPED
+
+SWEEP_COMMAND = "LIGHTFLEET_SWEEP_COMMAND"  # set by a sweep's command for its jobs: its process id
+
+
+def in_command() -> bool:
+    """Whether this job runs in the sweep's command process (the basic launcher), not a worker's."""
+    return os.environ.get(SWEEP_COMMAND) == str(os.getpid())
+
+
+def mark_stopped(sweep_dir: Path, signum: int) -> None:
+    """Say in the sweep directory that `signum` stopped the sweep (the first signal's name stays)."""
+    if stopped_by(sweep_dir) is None:
+        (sweep_dir / SWEEP_STOPPED).write_text(signal.Signals(signum).name)
+
+
+def stopped_by(sweep_dir: Path) -> Optional[int]:
+    """The signal that stopped the sweep in `sweep_dir`, if one did."""
+    marker = sweep_dir / SWEEP_STOPPED
+    return signal.Signals[marker.read_text().strip()] if marker.is_file() else None
+
+
+@contextmanager
+def passing_signals_on(sweep_dir: Path) -> Iterator[None]:
+    """While the launcher runs the sweep: a signal marks the sweep stopped and goes on to this
+    process's children (a job under the basic launcher takes it itself while it runs)."""
+
+    def pass_on(signum: int, _frame: object) -> None:
+        mark_stopped(sweep_dir, signum)
+        # SIGUSR1 goes on as SIGTERM, as to ranks: it would end loky's resource trackers, which ignore SIGTERM and SIGINT
+        passed = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
+        for child in children(os.getpid()):
+            try:
+                os.kill(child, passed)
+            except ProcessLookupError:  # ended meanwhile
+                pass
+
+    os.environ[SWEEP_COMMAND] = str(os.getpid())
+    before = {signum: signal.signal(signum, pass_on) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        del os.environ[SWEEP_COMMAND]
+
+
+def children(parent: int) -> List[int]:
+    """The processes whose parent is `parent`, from /proc (psutil is not required)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:  # the name in stat's second field may hold spaces and parentheses: split after the last ")"
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):  # ended while read
+                pass
+    return found
+
+
+def ignore_between_jobs() -> None:
+    """In a launcher's worker: a signal the command passes on while no job runs here changes
+    nothing (the job's own handlers take it while one does)."""
+    if not in_command():
+        for signum in SIGNALS:
+            signal.signal(signum, lambda *_: None)
+
+
+def set_aside(sweep_dir: Path, job: Path) -> Path:
+    """Move a stopped job's directory out of the way of its next attempt: to attempts/<job>.<k>."""
+    name = job.relative_to(sweep_dir).as_posix().replace("/", "_")
+    attempts = sweep_dir / ATTEMPTS_DIR
+    attempts.mkdir(exist_ok=True)
+    k = 1 + sum(1 for old in attempts.iterdir() if old.name.rsplit(".", 1)[0] == name)
+    return Path(shutil.move(str(job), str(attempts / f"{name}.{k}")))
