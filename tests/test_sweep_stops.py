@@ -93,3 +93,26 @@ def test_sigterm_to_a_basic_sweep_lists_the_jobs_not_started_and_resume_finishes
 
     again = lightfleet("resume", str(sweep))  # nothing left to do: the finished jobs are kept
     assert again.returncode == 0 and "nothing to continue" in again.stdout, again.stderr[-3000:]
+
+
+@pytest.mark.parametrize("study, says", [
+    ((), "its Optuna study was kept in memory and ended with its command, so the sweep cannot continue: run it "
+         "again (with hydra.sweeper.storage and hydra.sweeper.study_name its study would persist)"),
+    (("hydra.sweeper.storage=sqlite:///study.db", "hydra.sweeper.study_name=lr"),
+     "an Optuna sweep continues through its study, not job by job: run its command line again into a new sweep "
+     "directory, with the same hydra.sweeper.storage and hydra.sweeper.study_name=lr")], ids=["in_memory", "stored"])
+def test_resume_of_an_optuna_sweep_says_how_it_continues(tmp_path, monkeypatch, capsys, study, says):
+    """An Optuna sweep chooses its trials as it goes: not continued job by job; one line, nothing run."""
+    from runner.command import cli
+
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.yaml").write_text(yaml.safe_dump({"command": [
+        "-m", "hydra/sweeper=optuna", *study, "model.hidden_dim=choice(16,32)", f"hydra.sweep.dir='{sweep}'"],
+        "cwd": str(tmp_path), "jobs": {}}))
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["resume", str(sweep)])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == f"lightfleet: error: lightfleet resume='{sweep}': {says}\n"
+    assert sorted(path.name for path in sweep.iterdir()) == ["sweep.yaml"]

@@ -31,6 +31,8 @@ from runner.rank.parent import INTERRUPTED, STOPPED, exit_status
 if TYPE_CHECKING:  # Hydra and OmegaConf are imported only once the table allows the run
     from argparse import Namespace
 
+    from omegaconf import DictConfig
+
     Planned = Sequence[Tuple[int, Sequence[str]]]  # a sweep's jobs: (number, overrides as Hydra records them)
 
 # `lightfleet COMMAND RUN_DIR [overrides]`: again from the config a run saved, into a new directory.
@@ -182,10 +184,6 @@ def sweep(parsed: "Namespace", parser: ArgumentParser, config_name: str, args: L
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_yaml(sweep_dir / SWEEP_YAML, {"command": [*args, sweep_line], "cwd": os.getcwd(), "jobs": {
         str(number): {"overrides": list(overrides), "status": NOT_STARTED} for number, overrides in planned}})
-    if "hydra/sweeper=optuna" in parsed.overrides and not sys.stdout.isatty():
-        import optuna
-
-        optuna.logging.disable_default_handler()  # its coloured set-up lines are for terminals
     return launched(sweep_dir, planned, partial(run_sweep, parsed, parser, config_name, flights))
 
 
@@ -208,6 +206,10 @@ def run_sweep(parsed: "Namespace", parser: ArgumentParser, config_name: str,
     from runner.command.job import run_sweep_job
     from runner.config import hydra_api
 
+    if "hydra/sweeper=optuna" in parsed.overrides and not sys.stdout.isatty():
+        import optuna
+
+        optuna.logging.disable_default_handler()  # its coloured set-up lines are for terminals
     hydra_api.run_app(parsed, parser, partial(run_sweep_job, flights), str(CONF_DIR), config_name)
 
 
@@ -325,6 +327,19 @@ def summarize_sweep(sweep_dir: Path, planned: "Planned") -> int:
     return 1 if any(job["status"] not in (FINISHED, REFUSED) for job in jobs.values()) else 0
 
 
+def refuse_study(sweep_dir: Path, cfg: "DictConfig") -> NoReturn:
+    """An Optuna sweep chooses its trials as it goes: it continues through its study, where that
+    persists (hydra-optuna-sweeper loads a stored study of the same name again), not job by job."""
+    storage, name = cfg.hydra.sweeper.get("storage"), cfg.hydra.sweeper.get("study_name")
+    if storage and name:
+        raise ConfigError("lightfleet resume", str(sweep_dir), f"an Optuna sweep continues through its study, not "
+                          f"job by job: run its command line again into a new sweep directory, with the same "
+                          f"hydra.sweeper.storage and hydra.sweeper.study_name={name}")
+    raise ConfigError("lightfleet resume", str(sweep_dir), "its Optuna study was kept in memory and ended with its "
+                      "command, so the sweep cannot continue: run it again (with hydra.sweeper.storage and "
+                      "hydra.sweeper.study_name its study would persist)")
+
+
 def resumes_sweep(args: List[str]) -> bool:
     """Whether `lightfleet resume ARGS` names a sweep directory (not a run's)."""
     from runner.records.files import holds_run, holds_sweep
@@ -337,10 +352,11 @@ def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
     into the same directory, with only the jobs that did not finish: a stopped one from its
     checkpoints/last.ckpt (its directory moved to attempts/), one never started from the start;
     finished and refused jobs are kept as they are. A sweeper that chooses its jobs as it goes
-    (Optuna) is not continued here: it says how."""
-    from runner.command.sweeps import set_aside, stopped_by
+    (Optuna) is not continued here (`refuse_study`)."""
+    from runner.command.sweeps import set_aside
     from runner.config import hydra_api
     from runner.config.compose import expand_sweep, load_hydra
+    from runner.config.hydra_api import BASIC_SWEEPER
     from runner.records.jobs import sweep_jobs
     from runner.records.files import (FINISHED, LAST_CHECKPOINT, NOT_STARTED, REFUSED, SWEEP_STOPPED, SWEEP_YAML,
                                       read_yaml)
@@ -356,10 +372,10 @@ def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
     os.chdir(record["cwd"])  # the command line's relative paths are from there
     user_code_last(record["cwd"])
     parsed, parser, config_name = parse(record["command"])
-    if "hydra/sweeper=optuna" in parsed.overrides:
-        raise ConfigError("lightfleet resume", str(sweep_dir), "an Optuna sweep is not continued job by job: run its "
-                          "command line again with hydra.sweeper.storage (a database that persists) and the same "
-                          "hydra.sweeper.study_name, in a new sweep directory, and Optuna goes on with its study")
+    (sweep_dir / SWEEP_STOPPED).unlink(missing_ok=True)
+    cfg = preflight.compose(parsed.overrides, parsed.config_dir, config_name, multirun=True)
+    if cfg.hydra.sweeper._target_ != BASIC_SWEEPER:
+        refuse_study(sweep_dir, cfg)
     planned = [(number, job) for number, job in enumerate(expand_sweep(parsed.overrides, parsed.config_dir))]
     states = sweep_jobs(sweep_dir, [(number, preflight.job_overrides(job)) for number, job in planned])
     by_overrides = {tuple(entry["overrides"]): name for name, entry in states.items()}
@@ -376,11 +392,8 @@ def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
     if not to_run:
         print(f"lightfleet: every job of {sweep_dir} has finished (or was refused): nothing to continue")
         return summarize_sweep(sweep_dir, [(number, preflight.job_overrides(job)) for number, job in planned])
-    if stopped_by(sweep_dir) is not None:
-        (sweep_dir / SWEEP_STOPPED).unlink()
     flights = check_jobs(to_run, parsed.config_dir, config_name, extra)
     by_job = {preflight.job_overrides(job): flight.for_the_job() for number, job, flight in flights}
-    cfg = preflight.compose(parsed.overrides, parsed.config_dir, config_name, multirun=True)
     print(f"lightfleet: continuing {sweep_dir}: job(s) {', '.join(str(number) for number, _ in to_run)}", flush=True)
     jobs = [(number, list(preflight.job_overrides(job))) for number, job in to_run]
     from runner.command.job import run_sweep_job
