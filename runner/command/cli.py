@@ -353,6 +353,7 @@ def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
     checkpoints/last.ckpt (its directory moved to attempts/), one never started from the start;
     finished and refused jobs are kept as they are. A sweeper that chooses its jobs as it goes
     (Optuna) is not continued here (`refuse_study`)."""
+    from runner.command.job import run_sweep_job
     from runner.command.sweeps import set_aside
     from runner.config import hydra_api
     from runner.config.compose import expand_sweep, load_hydra
@@ -376,31 +377,28 @@ def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
     cfg = preflight.compose(parsed.overrides, parsed.config_dir, config_name, multirun=True)
     if cfg.hydra.sweeper._target_ != BASIC_SWEEPER:
         refuse_study(sweep_dir, cfg)
-    planned = [(number, job) for number, job in enumerate(expand_sweep(parsed.overrides, parsed.config_dir))]
-    states = sweep_jobs(sweep_dir, [(number, preflight.job_overrides(job)) for number, job in planned])
-    by_overrides = {tuple(entry["overrides"]): name for name, entry in states.items()}
+    jobs = list(enumerate(expand_sweep(parsed.overrides, parsed.config_dir)))
+    planned = [(number, preflight.job_overrides(job)) for number, job in jobs]
+    states = sweep_jobs(sweep_dir, planned)
+    names = {tuple(entry["overrides"]): name for name, entry in states.items()}
     to_run, extra = [], {}
-    for number, job in planned:
-        name = by_overrides[preflight.job_overrides(job)]
-        status = states[name]["status"]
-        if status in (FINISHED, REFUSED):
+    for number, job in jobs:
+        name = names[preflight.job_overrides(job)]
+        if states[name]["status"] in (FINISHED, REFUSED):
             continue
         to_run.append((number, job))
-        if status != NOT_STARTED:  # its directory goes aside; a checkpoint it saved is where it continues
+        if states[name]["status"] != NOT_STARTED:  # its directory goes aside; a checkpoint it saved is where it goes on
             last = set_aside(sweep_dir, sweep_dir / name) / LAST_CHECKPOINT
             extra[number] = [hydra_override("ckpt_path", last)] if last.is_file() else []
     if not to_run:
         print(f"lightfleet: every job of {sweep_dir} has finished (or was refused): nothing to continue")
-        return summarize_sweep(sweep_dir, [(number, preflight.job_overrides(job)) for number, job in planned])
-    flights = check_jobs(to_run, parsed.config_dir, config_name, extra)
-    by_job = {preflight.job_overrides(job): flight.for_the_job() for number, job, flight in flights}
+        return summarize_sweep(sweep_dir, planned)
+    flights = {preflight.job_overrides(job): flight.for_the_job()
+               for number, job, flight in check_jobs(to_run, parsed.config_dir, config_name, extra)}
     print(f"lightfleet: continuing {sweep_dir}: job(s) {', '.join(str(number) for number, _ in to_run)}", flush=True)
-    jobs = [(number, list(preflight.job_overrides(job))) for number, job in to_run]
-    from runner.command.job import run_sweep_job
-
-    return launched(sweep_dir, [(number, preflight.job_overrides(job)) for number, job in planned],
-                    partial(hydra_api.launch_jobs, load_hydra(parsed.config_dir), cfg, partial(run_sweep_job, by_job),
-                            jobs))
+    return launched(sweep_dir, planned, partial(
+        hydra_api.launch_jobs, load_hydra(parsed.config_dir), cfg, partial(run_sweep_job, flights),
+        [(number, preflight.job_overrides(job)) for number, job in to_run]))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def run_sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig) ->
     from runner.rank.preemption import Preempted
 
     user_code_last()  # a launcher's worker process (joblib, submitit) imports the user's modules too
-    sweeps.ignore_between_jobs()
+    sweeps.detach_worker()
     hydra = HydraConfig.get()
     records, sweep_dir = Path(hydra.runtime.output_dir), Path(hydra.sweep.dir)
     try:

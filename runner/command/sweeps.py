@@ -82,12 +82,17 @@ def children(parent: int) -> List[int]:
     return found
 
 
-def ignore_between_jobs() -> None:
-    """In a launcher's worker: a signal the command passes on while no job runs here changes
-    nothing (the job's own handlers take it while one does)."""
-    if not in_command():
-        for signum in SIGNALS:
-            signal.signal(signum, lambda *_: None)
+def detach_worker() -> None:
+    """In a launcher's worker: a process group of its own, so that a terminal's Ctrl-C reaches its
+    job once, passed on by the command (twice would stop it at once, without a checkpoint); and a
+    signal passed on while no job runs here changes nothing (the job's own handlers take it while
+    one does)."""
+    if in_command():
+        return
+    if os.getpgid(0) != os.getpid():
+        os.setpgid(0, 0)
+    for signum in SIGNALS:
+        signal.signal(signum, lambda *_: None)
 
 
 def set_aside(sweep_dir: Path, job: Path) -> Path:
