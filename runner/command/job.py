@@ -70,9 +70,9 @@ def run_sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig) ->
     from runner.rank.preemption import Preempted
 
     user_code_last()  # a launcher's worker process (joblib, submitit) imports the user's modules too
-    sweeps.detach_worker()
     hydra = HydraConfig.get()
     records, sweep_dir = Path(hydra.runtime.output_dir), Path(hydra.sweep.dir)
+    sweeps.join_as_worker(sweep_dir)
     try:
         with launch.stopping_at_once():  # until training takes the signals over
             stopped = sweeps.stopped_by(sweep_dir)

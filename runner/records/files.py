@@ -40,6 +40,7 @@ HYDRA_OVERRIDES = ".hydra/overrides.yaml"  # Hydra's, in each job directory
 SWEEP_YAML = "sweep.yaml"  # the sweep's command line and every job it planned, with how each ended
 SWEEP_STOPPED = ".stopped"  # the name of the signal that stopped the sweep: no job starts after it
 ATTEMPTS_DIR = ".attempts"  # attempts/<job>.<k>/: a job's stopped attempt, moved aside when the sweep continues
+WORKERS_DIR = ".workers"  # workers/<pid>: a launcher's process that has run a job of the sweep (signals go on to it)
 # `lightfleet report`'s, in the one run or sweep directory it covers (or --out).
 REPORT_CSV = "report.csv"
 REPORT_MD = "report.md"
