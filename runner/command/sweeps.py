@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set
 
-from runner.rank.preemption import SIGNALS
+from runner.rank.parent import SIGNALS
 from runner.records.files import ATTEMPTS_DIR, SWEEP_STOPPED, WORKERS_DIR
 
 SWEEP_COMMAND = "LIGHTFLEET_SWEEP_COMMAND"  # set by a sweep's command for its jobs: its process id

@@ -23,11 +23,8 @@ from typing import Any, Optional
 import pytorch_lightning as pl
 import torch
 
-from runner.rank.parent import exit_status
+from runner.rank.parent import SIGNALS, exit_status
 from runner.records.files import LAST_CHECKPOINT
-
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
 
 class Preempted(SystemExit):
     """Raised on every rank at the agreed step, once its checkpoint is saved; or at once, with no
