@@ -14,20 +14,26 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from argparse import ArgumentParser
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, NoReturn, Optional, Sequence, Tuple
+from collections import Counter
+from typing import TYPE_CHECKING, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from runner.command import preflight, usage
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
 from runner.core.paths import CONF_DIR, home_expanded, user_code_last, user_path
 from runner.core.clock import mark_start
-from runner.rank.parent import INTERRUPTED, STOPPED
+from runner.rank.parent import INTERRUPTED, STOPPED, exit_status
 
 if TYPE_CHECKING:  # Hydra and OmegaConf are imported only once the table allows the run
     from argparse import Namespace
+
+    from omegaconf import DictConfig
+
+    Planned = Sequence[Tuple[int, Sequence[str]]]  # a sweep's jobs: (number, overrides as Hydra records them)
 
 # `lightfleet COMMAND RUN_DIR [overrides]`: again from the config a run saved, into a new directory.
 RUN_DIR_COMMANDS = ("replay", "resume", "eval")
@@ -50,6 +56,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return print_usage(args)
     try:
         with exit_on_user_error():
+            if args[:1] == ["resume"] and resumes_sweep(args[1:]):
+                return resume_sweep(Path(args[1]), args[2:])
             if args and args[0] in RUN_DIR_COMMANDS:
                 args = from_run_dir(args[0], args[1:])
             elif args:
@@ -124,6 +132,19 @@ def from_run_dir(command: str, args: List[str]) -> List[str]:
 
 
 def run_app(args: List[str]) -> int:
+    parsed, parser, config_name = parse(args)
+    if parsed.help or parsed.cfg or parsed.info or parsed.hydra_help or parsed.shell_completion:
+        if not (parsed.hydra_help or parsed.shell_completion):
+            preflight.compose(parsed.overrides, parsed.config_dir, config_name)  # errors in one line
+        run_sweep(parsed, parser, config_name, {})  # Hydra shows what the flag asks for
+        return 0
+    if parsed.multirun:
+        return sweep(parsed, parser, config_name, args)
+    return run(parsed.overrides, parsed.config_dir, config_name)
+
+
+def parse(args: List[str]) -> Tuple["Namespace", ArgumentParser, str]:
+    """Hydra's parse of the command line (flags, overrides), the parser, and the config's name."""
     from runner.config import hydra_api
     from runner.config.compose import CONFIG_NAME
 
@@ -132,15 +153,7 @@ def run_app(args: List[str]) -> int:
     parser.error = partial(refuse_flags, parser)
     parsed = parser.parse_args(args)
     parsed.config_dir, parsed.config_path = user_config_dir(parsed.config_dir, parsed.config_path), None
-    config_name = parsed.config_name or CONFIG_NAME
-    if parsed.help or parsed.cfg or parsed.info or parsed.hydra_help or parsed.shell_completion:
-        if not (parsed.hydra_help or parsed.shell_completion):
-            preflight.compose(parsed.overrides, parsed.config_dir, config_name)  # errors in one line
-        run_sweep(parsed, parser, config_name, {})  # Hydra shows what the flag asks for
-        return 0
-    if parsed.multirun:
-        return sweep(parsed, parser, config_name)
-    return run(parsed.overrides, parsed.config_dir, config_name)
+    return parsed, parser, parsed.config_name or CONFIG_NAME
 
 
 def run(overrides: List[str], config_dir: Optional[str], config_name: str) -> int:
@@ -161,26 +174,36 @@ def run(overrides: List[str], config_dir: Optional[str], config_name: str) -> in
     return 0
 
 
-def sweep(parsed: "Namespace", parser: ArgumentParser, config_name: str) -> int:
-    """A `-m` sweep: every job of a basic sweep checked here (`check_sweep`), then Hydra's sweeper
-    and launcher run them, each job handed its check; the sweep's summary last."""
+def sweep(parsed: "Namespace", parser: ArgumentParser, config_name: str, args: List[str]) -> int:
+    """A `-m` sweep: every job of a basic sweep checked here (`check_sweep`), sweep.yaml listing
+    them all with the command line `args`, then Hydra's sweeper and launcher run them, each job
+    handed its check; a signal stops them all (runner/command/sweeps.py); the sweep's summary last."""
+    from runner.records.files import NOT_STARTED, SWEEP_YAML
+    from runner.records.run_dir import write_yaml
+
     checked = check_sweep(parsed.overrides, parsed.config_dir, config_name)
     if checked is None:  # a dry run: the plans are printed
         return 0
-    sweep_dir, flights = checked
-    parsed.overrides += [hydra_override("hydra.sweep.dir", sweep_dir)]
-    if "hydra/sweeper=optuna" in parsed.overrides and not sys.stdout.isatty():
-        import optuna
+    sweep_dir, flights, planned = checked
+    sweep_line = hydra_override("hydra.sweep.dir", sweep_dir)
+    parsed.overrides += [sweep_line]
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    write_yaml(sweep_dir / SWEEP_YAML, {"command": [*args, sweep_line], "cwd": os.getcwd(), "jobs": {
+        str(number): {"overrides": list(overrides), "status": NOT_STARTED} for number, overrides in planned}})
+    return launched(sweep_dir, planned, partial(run_sweep, parsed, parser, config_name, flights))
 
-        optuna.logging.disable_default_handler()  # its coloured set-up lines are for terminals
-    try:
-        run_sweep(parsed, parser, config_name, flights)
-    except SystemExit as stop:
-        if stop.code not in STOPPED:
-            raise
-        summarize_sweep(sweep_dir)  # a job was preempted or interrupted: the sweep stops there, its summary says so
-        return stop.code
-    return summarize_sweep(sweep_dir)
+
+def launched(sweep_dir: Path, planned: "Planned", launch: Callable[[], None]) -> int:
+    """Run `launch` (the sweep's jobs) passing a signal on to them all, then summarise the sweep."""
+    from runner.command.sweeps import passing_signals_on, stopped_by
+
+    with passing_signals_on(sweep_dir):
+        try:
+            launch()
+        except SystemExit as stop:  # a job in this process was stopped: the sweep stops there
+            if stop.code not in STOPPED and stopped_by(sweep_dir) is None:
+                raise
+    return summarize_sweep(sweep_dir, planned)
 
 
 def run_sweep(parsed: "Namespace", parser: ArgumentParser, config_name: str,
@@ -189,6 +212,10 @@ def run_sweep(parsed: "Namespace", parser: ArgumentParser, config_name: str,
     from runner.command.job import run_sweep_job
     from runner.config import hydra_api
 
+    if "hydra/sweeper=optuna" in parsed.overrides and not sys.stdout.isatty():
+        import optuna
+
+        optuna.logging.disable_default_handler()  # its coloured set-up lines are for terminals
     hydra_api.run_app(parsed, parser, partial(run_sweep_job, flights), str(CONF_DIR), config_name)
 
 
@@ -222,29 +249,23 @@ def user_config_dir(config_dir: Optional[str], config_path: Optional[str]) -> Op
 
 
 def check_sweep(overrides: List[str], config_dir: Optional[str],
-                config_name: str) -> Optional[Tuple[Path, Dict[Tuple[str, ...], preflight.Flight]]]:
+                config_name: str) -> Optional[Tuple[Path, Dict[Tuple[str, ...], preflight.Flight], "Planned"]]:
     """The preflight of every job of a basic sweep. A job Hydra cannot compose (an unknown option)
     refuses the sweep: Hydra's launcher would stop at it mid-sweep. Jobs the other stages refuse
     are reported together and skipped (Hydra still launches them; each stops at once); a sweep
     none of whose jobs can run is refused. Other sweepers (Optuna) choose their jobs as they go:
     the config without the swept keys is checked, and each job checks itself.
-    The sweep's directory, reserved, and each checked job's flight by its overrides (None: a dry
-    run, whose plans are printed)."""
+    The sweep's directory, reserved, each checked job's flight by its overrides, and every job it
+    plans, by number (None: a dry run, whose plans are printed)."""
     from runner.config.compose import expand_sweep
     from runner.config.hydra_api import BASIC_SWEEPER
 
     cfg = preflight.compose(overrides, config_dir, config_name, multirun=True)
     if cfg.hydra.sweeper._target_ != BASIC_SWEEPER:
-        flights = [(0, overrides, preflight.check_job(cfg))]
+        flights, planned = [(0, overrides, preflight.check_job(cfg))], []
     else:
-        flights = []
-        for number, job in enumerate(expand_sweep(overrides, config_dir)):
-            shown = " ".join(preflight.job_overrides(job))  # as the job prints them
-            cfg_of_job = preflight.compose(job, config_dir, config_name)  # Hydra would stop here
-            try:
-                flights.append((number, job, preflight.check_job(cfg_of_job)))
-            except (ConfigError, Refusal) as problem:
-                print(f"lightfleet: job {number} ({shown}) skipped: {problem}", file=sys.stderr)
+        planned = list(enumerate(expand_sweep(overrides, config_dir)))
+        flights = check_jobs(planned, config_dir, config_name)
         if not flights:
             raise Refusal("no job of the sweep can run")
     if flights[0][2].spec.cfg.dry_run:
@@ -253,7 +274,23 @@ def check_sweep(overrides: List[str], config_dir: Optional[str],
         return None
     by_job = {preflight.job_overrides(job): flight.for_the_job() for number, job, flight in flights
               if cfg.hydra.sweeper._target_ == BASIC_SWEEPER}  # another sweeper's jobs check themselves
-    return preflight.sweep_directory(cfg), by_job
+    return (preflight.sweep_directory(cfg), by_job,
+            [(number, preflight.job_overrides(job)) for number, job in planned])
+
+
+def check_jobs(jobs: Sequence[Tuple[int, List[str]]], config_dir: Optional[str], config_name: str,
+               extra: Optional[Dict[int, List[str]]] = None) -> List[Tuple[int, List[str], preflight.Flight]]:
+    """The job stages of each job (with `extra` overrides by number); those they refuse are said
+    and skipped (Hydra still launches them; each stops at once)."""
+    flights = []
+    for number, job in jobs:
+        shown = " ".join(preflight.job_overrides(job))  # as the job prints them
+        cfg_of_job = preflight.compose([*job, *(extra or {}).get(number, [])], config_dir, config_name)
+        try:
+            flights.append((number, job, preflight.check_job(cfg_of_job)))
+        except (ConfigError, Refusal) as problem:
+            print(f"lightfleet: job {number} ({shown}) skipped: {problem}", file=sys.stderr)
+    return flights
 
 
 def dry_run_text(flight: preflight.Flight) -> str:
@@ -288,29 +325,101 @@ def quote_checkpoint_names(arg: str) -> str:
     return f"{key}={','.join(quoted(path) for path in value.split(','))}"
 
 
-def summarize_sweep(sweep_dir: Path) -> int:
-    """Write sweep.yaml (each job's overrides and how it ended, with the reason) and the sweep's
-    report (printed too); return its exit status: 1 when a job that started did not finish."""
+def summarize_sweep(sweep_dir: Path, planned: "Planned") -> int:
+    """Write sweep.yaml (the command line, and every job of `planned` and found in `sweep_dir` with
+    its overrides and how it ended, with the reason) and the sweep's report (printed too); return
+    its exit status: a signal's when one stopped the sweep, else 1 when a job that started did not finish."""
+    from runner.command.sweeps import stopped_by
     from runner.records import report
-    from runner.records.files import (CONFIG_YAML, FINISHED, HYDRA_OVERRIDES, REFUSED, REFUSED_YAML, SWEEP_YAML,
-                                      job_ending, read_yaml)
-    from runner.records.jobs import job_order
+    from runner.records.jobs import sweep_jobs
+    from runner.records.files import FINISHED, REFUSED, SWEEP_YAML, read_yaml
     from runner.records.run_dir import write_yaml
 
-    jobs = {}
-    found = {path.parent for path in sweep_dir.rglob("*.yaml") if path.name in (CONFIG_YAML, REFUSED_YAML)}
-    for job in sorted(found, key=lambda job: job_order(job.relative_to(sweep_dir).as_posix())):
-        name = job.relative_to(sweep_dir).as_posix()
-        ending = job_ending(job)
-        if ending.outcome == REFUSED:
-            jobs[name] = {**ending.record, "status": REFUSED}
-        elif (job / HYDRA_OVERRIDES).is_file():
-            # failure.yaml says how a job that did not finish ended (status, exit_code, error)
-            told = ending.record if ending.outcome != FINISHED and ending.record else {"status": ending.outcome}
-            jobs[name] = {"overrides": read_yaml(job / HYDRA_OVERRIDES), **told}
-    write_yaml(sweep_dir / SWEEP_YAML, {"jobs": jobs})
+    jobs = sweep_jobs(sweep_dir, planned)
+    write_yaml(sweep_dir / SWEEP_YAML, {**(read_yaml(sweep_dir / SWEEP_YAML) or {}), "jobs": jobs})
     report.main([str(sweep_dir)])
+    signum = stopped_by(sweep_dir)
+    if signum is not None:
+        counts = Counter(job["status"].replace("_", " ") for job in jobs.values())
+        print(f"lightfleet: sweep {'interrupted' if signum == signal.SIGINT else 'stopped'} by "
+              f"{signal.Signals(signum).name}: {', '.join(f'{n} {status}' for status, n in counts.items())}; "
+              f"continue with: lightfleet resume {sweep_dir}", file=sys.stderr)
+        return exit_status(signum)
     return 1 if any(job["status"] not in (FINISHED, REFUSED) for job in jobs.values()) else 0
+
+
+def refuse_study(sweep_dir: Path, cfg: "DictConfig") -> NoReturn:
+    """An Optuna sweep chooses its trials as it goes: it continues through its study, where that
+    persists (hydra-optuna-sweeper loads a stored study of the same name again), not job by job."""
+    storage, name = cfg.hydra.sweeper.get("storage"), cfg.hydra.sweeper.get("study_name")
+    if storage and name:
+        raise ConfigError("lightfleet resume", str(sweep_dir), f"an Optuna sweep continues through its study, not "
+                          f"job by job: run its command line again into a new sweep directory, with the same "
+                          f"hydra.sweeper.storage and hydra.sweeper.study_name={name}")
+    raise ConfigError("lightfleet resume", str(sweep_dir), "its Optuna study was kept in memory and ended with its "
+                      "command, so the sweep cannot continue: run it again (with hydra.sweeper.storage and "
+                      "hydra.sweeper.study_name its study would persist)")
+
+
+def resumes_sweep(args: List[str]) -> bool:
+    """Whether `lightfleet resume ARGS` names a sweep directory (not a run's)."""
+    from runner.records.files import holds_run, holds_sweep
+
+    return bool(args) and holds_sweep(Path(args[0])) and not holds_run(Path(args[0]))
+
+
+def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
+    """`lightfleet resume SWEEP_DIR`: the sweep's command line again (from sweep.yaml, where it ran),
+    into the same directory, with only the jobs that did not finish: a stopped one from its
+    checkpoints/last.ckpt (its directory moved to attempts/), one never started from the start;
+    finished and refused jobs are kept as they are. A sweeper that chooses its jobs as it goes
+    (Optuna) is not continued here (`refuse_study`)."""
+    from runner.command.job import run_sweep_job
+    from runner.command.sweeps import set_aside
+    from runner.config import hydra_api
+    from runner.config.compose import expand_sweep, load_hydra
+    from runner.config.hydra_api import BASIC_SWEEPER
+    from runner.records.jobs import sweep_jobs
+    from runner.records.files import (FINISHED, LAST_CHECKPOINT, NOT_STARTED, REFUSED, SWEEP_STOPPED, SWEEP_YAML,
+                                      read_yaml)
+
+    sweep_dir = sweep_dir.resolve()
+    record = read_yaml(sweep_dir / SWEEP_YAML) or {}
+    if "command" not in record:
+        raise ConfigError("lightfleet resume", str(sweep_dir), f"its {SWEEP_YAML} holds no command line (a sweep "
+                          "from before lightfleet recorded it, or one that never started): run it again")
+    if overrides:
+        raise ConfigError("lightfleet resume", overrides[0], "a sweep continues as its command line planned "
+                          "it: give only SWEEP_DIR")
+    os.chdir(record["cwd"])  # the command line's relative paths are from there
+    user_code_last(record["cwd"])
+    parsed, parser, config_name = parse(record["command"])
+    (sweep_dir / SWEEP_STOPPED).unlink(missing_ok=True)
+    cfg = preflight.compose(parsed.overrides, parsed.config_dir, config_name, multirun=True)
+    if cfg.hydra.sweeper._target_ != BASIC_SWEEPER:
+        refuse_study(sweep_dir, cfg)
+    jobs = list(enumerate(expand_sweep(parsed.overrides, parsed.config_dir)))
+    planned = [(number, preflight.job_overrides(job)) for number, job in jobs]
+    states = sweep_jobs(sweep_dir, planned)
+    names = {tuple(entry["overrides"]): name for name, entry in states.items()}
+    to_run, extra = [], {}
+    for number, job in jobs:
+        name = names[preflight.job_overrides(job)]
+        if states[name]["status"] in (FINISHED, REFUSED):
+            continue
+        to_run.append((number, job))
+        if states[name]["status"] != NOT_STARTED:  # its directory goes aside; a checkpoint it saved is where it goes on
+            last = set_aside(sweep_dir, sweep_dir / name) / LAST_CHECKPOINT
+            extra[number] = [hydra_override("ckpt_path", last)] if last.is_file() else []
+    if not to_run:
+        print(f"lightfleet: every job of {sweep_dir} has finished (or was refused): nothing to continue")
+        return summarize_sweep(sweep_dir, planned)
+    flights = {preflight.job_overrides(job): flight.for_the_job()
+               for number, job, flight in check_jobs(to_run, parsed.config_dir, config_name, extra)}
+    print(f"lightfleet: continuing {sweep_dir}: job(s) {', '.join(str(number) for number, _ in to_run)}", flush=True)
+    return launched(sweep_dir, planned, partial(
+        hydra_api.launch_jobs, load_hydra(parsed.config_dir), cfg, partial(run_sweep_job, flights),
+        [(number, preflight.job_overrides(job)) for number, job in to_run]))
 
 
 if __name__ == "__main__":

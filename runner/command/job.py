@@ -23,7 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, TextIO, Tuple
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from runner.command import launch
+from runner.command import launch, sweeps
 from runner.command.console import to_log_files
 from runner.command.preflight import Flight, check_job
 from runner.config.checks import RunSpec
@@ -63,11 +63,38 @@ def run_checked(flight: Flight, run_dir: Path, _cfg: DictConfig) -> None:
 
 
 def run_sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig) -> Optional[float]:
-    """One job of a sweep, with the command's preflight of it when the command checked it
-    (`checked`, by the job's overrides), else checked here, once."""
+    """One job of a sweep (`sweep_job`), unless a signal has stopped the sweep: then it does not
+    start (runner/command/sweeps.py). A signal before training starts stops it at once, as a run's
+    does, and marks the sweep stopped. A job in the command's own process (the basic launcher) ends
+    the sweep there, so that the sweeper launches nothing more; one in a launcher's worker returns."""
+    from runner.rank.preemption import Preempted
+
     user_code_last()  # a launcher's worker process (joblib, submitit) imports the user's modules too
     hydra = HydraConfig.get()
-    records = Path(hydra.runtime.output_dir)
+    records, sweep_dir = Path(hydra.runtime.output_dir), Path(hydra.sweep.dir)
+    sweeps.join_as_worker(sweep_dir)
+    try:
+        with launch.stopping_at_once():  # until training takes the signals over
+            stopped = sweeps.stopped_by(sweep_dir)
+            if stopped is None:
+                return sweep_job(checked, cfg, records, sweep_dir)
+    except Preempted as stop:  # nothing trained yet: nothing to save
+        stopped = stop.signum
+        sweeps.mark_stopped(sweep_dir, stopped)
+        if files.holds_run(records):
+            preempted(records, records, stopped)
+    if not files.holds_run(records):  # only Hydra's files: the job stays "not started" in sweep.yaml
+        shutil.rmtree(records)
+    if sweeps.in_command():  # the sweeper launches nothing more
+        sys.exit(exit_status(stopped))
+    return no_result()
+
+
+def sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig, records: Path,
+              sweep_dir: Path) -> Optional[float]:
+    """One job of a sweep, with the command's preflight of it when the command checked it
+    (`checked`, by the job's overrides), else checked here, once."""
+    hydra = HydraConfig.get()
     command = list(hydra.overrides.task)
     try:
         flight = checked.get(tuple(command)) or check_job(cfg)
@@ -78,14 +105,16 @@ def run_sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig) ->
         write_yaml(records / files.REFUSED_YAML, {"overrides": command, "reason": str(problem)})
         return no_result()
     spec = flight.spec
-    spec.cfg.paths.output_dir, spec.cfg.paths.sweep_dir = str(records), hydra.sweep.dir
+    spec.cfg.paths.output_dir, spec.cfg.paths.sweep_dir = str(records), str(sweep_dir)
     spec.cfg.verbose = spec.cfg.verbose or bool(hydra.verbose)
     print(f"lightfleet: job {hydra.job.num}: {' '.join(command)}", flush=True)
     mark_start()  # the job's start-up time counts from here, not from the sweep's start
     try:
         code = train_run(spec, flight.plan, command, records, flight.start_step)
         if code in STOPPED:  # the sweep stops with its job, as a run does
-            sys.exit(code)
+            sweeps.mark_stopped(sweep_dir, signal.SIGINT if code == INTERRUPTED else signal.SIGTERM)
+            if sweeps.in_command():
+                sys.exit(code)
         return objective(spec, records) if code == 0 else no_result()
     except ConfigError as error:  # e.g. a module name only the built model can reject
         print(f"lightfleet: job {hydra.job.num} error: {error}", file=sys.stderr)

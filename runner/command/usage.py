@@ -14,7 +14,8 @@ from runner.core.errors import ConfigError
 
 # Each subcommand: its arguments, and what it does.
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
-    "resume": ("RUN_DIR [KEY=VALUE ...]", "continue a run from its last checkpoint, into a new directory"),
+    "resume": ("RUN_DIR [KEY=VALUE ...]", "continue a run from its last checkpoint, into a new directory (or a "
+               "stopped sweep's jobs: resume SWEEP_DIR)"),
     "eval": ("RUN_DIR [KEY=VALUE ...]", "evaluate a run's last checkpoint on the validation data (test=true: and test)"),
     "replay": ("RUN_DIR [KEY=VALUE ...]", "train again from the config a run saved, into a new directory"),
     "report": ("[PATH ...]", "compare runs and sweeps: report.md, report.csv and plots"),
@@ -27,7 +28,9 @@ RUN_DIR_HELP = {
     "resume": "Continue the run in RUN_DIR from RUN_DIR/checkpoints/last.ckpt, with the config it saved, "
               "into a new run directory (overrides after it change it, e.g. trainer.max_steps=2000 to train "
               "longer: a finished run has nothing left to train). A run stopped before its first checkpoint "
-              "starts again from its config.",
+              "starts again from its config. With a sweep's directory: continue the sweep there, with its "
+              "command line and launcher: its stopped jobs from their checkpoints, those never started from "
+              "the start; finished jobs are kept.",
     "eval": "Evaluate the last checkpoint of the run in RUN_DIR with the config it saved, on the validation "
             "data, and on the test data too with test=true; nothing is trained. Without RUN_DIR: "
             "evaluate=true on the config the overrides compose (ckpt_path=PATH names the weights).",

@@ -1,13 +1,13 @@
 """What lightfleet needs of Hydra 1.3 beyond its public modules, in this one place: the Hydra
 object over lightfleet's search path, the split of a basic sweep into its jobs, Hydra's command-line
 parser and application (for `-m` sweeps and the flags that only show something), and one job of
-run mode on a config composed already. tests/runner/test_hydra_api.py pins each behaviour, so that
+run mode on a config composed already, and chosen jobs of a sweep through its launcher. tests/runner/test_hydra_api.py pins each behaviour, so that
 a Hydra release that changes one fails there, not in a user's run.
 """
 from __future__ import annotations
 
 from argparse import ArgumentParser, Namespace
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from hydra._internal.callbacks import Callbacks
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -16,6 +16,7 @@ from hydra._internal.utils import _run_hydra, create_automatic_config_search_pat
 from hydra.core.config_search_path import ConfigSearchPath, SearchPathQuery
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.types import Override
+from hydra.core.plugins import Plugins
 from hydra.core.utils import configure_log, run_job, setup_globals
 from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, open_dict, read_write
@@ -73,3 +74,22 @@ def run_one(hydra: Hydra, cfg: DictConfig, directory: str, task: Callable[[DictC
                    task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None)
     callbacks.on_run_end(config=cfg, config_name=config_name, job_return=done)
     return done.return_value
+
+
+def launch_jobs(hydra: Hydra, cfg: DictConfig, task: TaskFunction, jobs: Sequence[Tuple[int, Sequence[str]]]) -> None:
+    """Some jobs of the sweep `cfg` (composed in multirun mode, with its `hydra` node), each by its
+    number and overrides, through the sweep's launcher, as Hydra's sweeper launches them: each
+    run of consecutive numbers in one batch, so that every job keeps its number (and directory)."""
+    setup_globals()
+    configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+    context = HydraContext(config_loader=hydra.config_loader, callbacks=Callbacks(cfg))
+    launcher = Plugins.instance().instantiate_launcher(hydra_context=context, task_function=task, config=cfg)
+    batches: List[List[Tuple[int, Sequence[str]]]] = []
+    for number, overrides in sorted(jobs):
+        if batches and batches[-1][-1][0] == number - 1:
+            batches[-1].append((number, overrides))
+        else:
+            batches.append([(number, overrides)])
+    for batch in batches:
+        for done in launcher.launch([list(overrides) for _, overrides in batch], initial_job_idx=batch[0][0]):
+            done.return_value  # as Hydra's sweeper: a job's exception is raised here

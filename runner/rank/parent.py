@@ -19,6 +19,7 @@ PREEMPTED = 143  # the exit status of a run stopped by SIGTERM or SIGUSR1: 128 +
 INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C: 128 + SIGINT, as a shell expects
 STOPPED = (PREEMPTED, INTERRUPTED)
 DIVERGED_EXIT = 3  # the exit status of a run stopped by a non-finite loss or parameter (runner/rank/divergence.py)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # what stops a run: a preemption, SLURM's warning, Ctrl-C
 ORPHAN_GRACE_S = 20.0  # after the command's death, the time a rank has to checkpoint before it leaves
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

@@ -29,11 +29,10 @@ import pytorch_lightning as pl
 import torch
 
 from runner.rank.divergence import Diverged, NonFiniteGuard, diverged
-from runner.rank.parent import COMMAND_PID, exit_status
+from runner.rank.parent import COMMAND_PID, SIGNALS, exit_status
 from runner.rank.progress import logging_step
 from runner.records.files import LAST_CHECKPOINT
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 FAILURE_GRACE_S = 2.0  # how long a failing rank of several waits for the agent to stop it (on_exception)
 
 

@@ -39,7 +39,10 @@ TRIAL_LOG = "trial.log"
 # A sweep directory's (auto/ is one too: its trials are its jobs).
 MULTIRUN_YAML = "multirun.yaml"  # Hydra's
 HYDRA_OVERRIDES = ".hydra/overrides.yaml"  # Hydra's, in each job directory
-SWEEP_YAML = "sweep.yaml"
+SWEEP_YAML = "sweep.yaml"  # the sweep's command line and every job it planned, with how each ended
+SWEEP_STOPPED = ".stopped"  # the name of the signal that stopped the sweep: no job starts after it
+ATTEMPTS_DIR = ".attempts"  # attempts/<job>.<k>/: a job's stopped attempt, moved aside when the sweep continues
+WORKERS_DIR = ".workers"  # workers/<pid>: a launcher's process that has run a job of the sweep (signals go on to it)
 # `lightfleet report`'s, in the one run or sweep directory it covers (or --out).
 REPORT_CSV = "report.csv"
 REPORT_MD = "report.md"
@@ -54,7 +57,8 @@ OUT_OF_MEMORY = "out_of_memory"  # told apart from failed: the cure differs
 REFUSED = "refused"  # never started: the table or a check refused it
 PREEMPTED = "preempted"  # stopped by a signal after saving LAST_CHECKPOINT: resume it
 DIVERGED = "diverged"  # stopped where the loss or a parameter became NaN or Inf (runner/rank/divergence.py)
-OUTCOMES = (FINISHED, FAILED, OUT_OF_MEMORY, REFUSED, PREEMPTED, DIVERGED)
+NOT_STARTED = "not_started"  # a sweep's job that a signal stopped the sweep before (sweep.yaml only)
+OUTCOMES = (FINISHED, FAILED, OUT_OF_MEMORY, REFUSED, PREEMPTED, DIVERGED, NOT_STARTED)
 
 
 @dataclass(frozen=True)

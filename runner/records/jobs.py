@@ -11,8 +11,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from runner.core.errors import ConfigError
-from runner.records.files import (CONFIG_YAML, DIVERGED, ENV_YAML, FINISHED, METRICS_CSV, MULTIRUN_YAML, OUT_OF_MEMORY,
-                                  REFUSED, SWEEP_YAML, holds_run, holds_sweep, job_ending, read_yaml)
+from runner.records.files import (CONFIG_YAML, DIVERGED, ENV_YAML, FINISHED, HYDRA_OVERRIDES, METRICS_CSV,
+                                  MULTIRUN_YAML, NOT_STARTED, OUT_OF_MEMORY, PREEMPTED, REFUSED, REFUSED_YAML,
+                                  SWEEP_YAML, holds_run, holds_sweep, job_ending, read_yaml)
 
 
 @dataclass
@@ -57,22 +58,45 @@ def collect_jobs(paths: Sequence[Path]) -> List[Job]:
 
 
 def read_sweep(sweep_dir: Path, prefix: str) -> List[Job]:
-    """The sweep's job directories and the refused jobs sweep.yaml lists, in job order."""
+    """The sweep's job directories and the jobs sweep.yaml lists as refused or never started, in job order."""
     jobs = {job_dir.relative_to(sweep_dir).as_posix(): job_dir for job_dir in job_dirs(sweep_dir)}
     listed = (read_yaml(sweep_dir / SWEEP_YAML) or {}).get("jobs") or {}
-    refused = {str(name): entry for name, entry in listed.items() if entry.get("status") == REFUSED}
+    unrun = {str(name): entry for name, entry in listed.items() if entry.get("status") in (REFUSED, NOT_STARTED)}
     read = [read_job(job_dir, prefix + name) for name, job_dir in jobs.items()]
-    read += [refused_job(prefix + name, entry) for name, entry in refused.items() if name not in jobs]
+    read += [unrun_job(prefix + name, entry) for name, entry in unrun.items() if name not in jobs]
     return sorted(read, key=lambda job: job_order(job.name))
 
 
-def job_dirs(sweep_dir: Path) -> List[Path]:
-    """Subdirectories holding config.yaml, one level deep or two (hydra.sweep.subdir=a/b). Hidden
-    ones (.hydra) and those inside a job (its nodes/, ranks/ copies) are not jobs."""
+def job_dirs(sweep_dir: Path, refused: bool = False) -> List[Path]:
+    """Subdirectories holding config.yaml (with `refused`, or refused.yaml), one level deep or two
+    (hydra.sweep.subdir=a/b). Hidden ones (.hydra, a sweep's attempts) and those inside a job (its
+    nodes/, ranks/ copies) are not jobs."""
+    def is_job(path: Path) -> bool:
+        return holds_run(path) or (refused and (path / REFUSED_YAML).is_file())
+
     found = []
     for child in subdirs(sweep_dir):
-        found += [child] if holds_run(child) else [grandchild for grandchild in subdirs(child) if holds_run(grandchild)]
+        found += [child] if is_job(child) else [grandchild for grandchild in subdirs(child) if is_job(grandchild)]
     return found
+
+
+def sweep_jobs(sweep_dir: Path, planned: Sequence[Tuple[int, Sequence[str]]]) -> Dict[str, Dict[str, Any]]:
+    """What sweep.yaml lists: every job of the sweep by name (its directory; its number for one
+    never started), with its overrides and how it ended (failure.yaml's or refused.yaml's record
+    for one that did not finish). `planned`: the jobs the sweeper planned, (number, overrides)."""
+    jobs = {}
+    for job in job_dirs(sweep_dir, refused=True):
+        name, ending = job.relative_to(sweep_dir).as_posix(), job_ending(job)
+        if ending.outcome == REFUSED:
+            jobs[name] = {**ending.record, "status": REFUSED}
+        elif (job / HYDRA_OVERRIDES).is_file():
+            # failure.yaml says how a job that did not finish ended (status, exit_code, error)
+            told = ending.record if ending.outcome != FINISHED and ending.record else {"status": ending.outcome}
+            jobs[name] = {"overrides": read_yaml(job / HYDRA_OVERRIDES), **told}
+    seen = {tuple(entry.get("overrides") or ()) for entry in jobs.values()}
+    jobs.update({str(number): {"overrides": list(overrides), "status": NOT_STARTED}
+                 for number, overrides in planned if tuple(overrides) not in seen})
+    return dict(sorted(jobs.items(), key=lambda item: job_order(item[0])))
 
 
 def subdirs(path: Path) -> List[Path]:
@@ -96,12 +120,12 @@ def read_job(job_dir: Path, name: str) -> Job:
                git_commit=str(environment.get("git_commit", "")), loss_curve=read_loss_curve(job_dir / METRICS_CSV))
 
 
-def refused_job(name: str, entry: Dict[str, Any]) -> Job:
-    """A job the sweep refused before it ran: only its overrides and the reason are known."""
+def unrun_job(name: str, entry: Dict[str, Any]) -> Job:
+    """A job the sweep refused before it ran, or never started: only its overrides (and the reason) are known."""
     overrides = dict(parse_override(override) for override in entry.get("overrides") or [] if "=" in override)
     strategies = overrides.pop("strategy", None)
     return Job(name=name, strategies="?" if strategies is None else join_strategies(strategies),
-               knobs=overrides, status=status_text(REFUSED, entry))
+               knobs=overrides, status=status_text(entry["status"], entry))
 
 
 def status_text(outcome: str, record: Dict[str, Any]) -> str:
@@ -111,6 +135,10 @@ def status_text(outcome: str, record: Dict[str, Any]) -> str:
         return "ok"
     if outcome == REFUSED:
         return f"refused: {one_line(record.get('reason'))}"
+    if outcome == NOT_STARTED:
+        return "not started"
+    if outcome == PREEMPTED:  # its line says by what, and where it continues
+        return one_line(record.get("error") or "preempted")
     if not record:  # killed, or still running: no record of how it ended
         return "failed: did not finish"
     if outcome == OUT_OF_MEMORY:

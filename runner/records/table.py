@@ -96,7 +96,10 @@ def header(paths: Sequence[Path], jobs: Sequence[Job], baseline: Optional[Job]) 
     covered = ", ".join(str(path) for path in paths)
     against = (f"baseline (speedup 1x): job {baseline.label}" if baseline else
                "no baseline (no finished job without strategies; name one with --baseline JOB): speedup is empty")
-    return f"Report of {covered}: {len(jobs)} job{'s' * (len(jobs) != 1)}; {against}."
+    missing = [job.name for job in jobs if not job.finished and not job.status.startswith("refused")]
+    lacking = (f" Missing results: job{'s' * (len(missing) != 1)} {', '.join(missing)} (see status); "
+               f"lightfleet resume SWEEP_DIR continues a stopped sweep." if missing else "")
+    return f"Report of {covered}: {len(jobs)} job{'s' * (len(jobs) != 1)}; {against}.{lacking}"
 
 
 def markdown(title: str, columns: Sequence[str], rows: Sequence[Dict[str, Any]], notes: Sequence[str] = ()) -> str:

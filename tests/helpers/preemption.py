@@ -1,6 +1,7 @@
 """The real command as a process a test signals (tests/test_preemption.py, tests/test_interrupts.py):
 `start` runs it slowed down by `SlowSteps`, which marks the run directory with REACHED once training
-has taken a few steps; `wait_for` a file, `rank_pids` of a process, `wait_gone` of processes."""
+has taken a few steps; `wait_for` a file, `rank_pids` of a process (`process_tree`: all below it),
+`wait_gone` of processes."""
 from __future__ import annotations
 
 import subprocess
@@ -71,4 +72,14 @@ def rank_pids(parent: int) -> list:
                     found.append(int(entry.name))
             except (OSError, IndexError, ValueError):
                 pass
+    return found
+
+
+def process_tree(root: int) -> list:
+    """Every process below `root` (children, theirs, ...), as /proc shows them now."""
+    found, parents = [], [root]
+    while parents:
+        children = [child for parent in parents for child in rank_pids(parent)]
+        found += children
+        parents = children
     return found

@@ -27,7 +27,8 @@ def write(path: Path, data: object) -> None:
 
 
 def test_the_outcomes_are_the_strings_the_records_hold():
-    assert files.OUTCOMES == ("finished", "failed", "out_of_memory", "refused", "preempted", "diverged")
+    assert files.OUTCOMES == ("finished", "failed", "out_of_memory", "refused", "preempted", "diverged",
+                              "not_started")
 
 
 @pytest.mark.parametrize("records, ending", [
