@@ -380,6 +380,7 @@ def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
     from runner.config.compose import expand_sweep, load_hydra
     from runner.config.hydra_api import BASIC_SWEEPER
     from runner.records.jobs import sweep_jobs
+    from runner.records.run_dir import take_over
     from runner.records.files import (FINISHED, LAST_CHECKPOINT, NOT_STARTED, REFUSED, SWEEP_STOPPED, SWEEP_YAML,
                                       read_yaml)
 
@@ -391,6 +392,7 @@ def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
     if overrides:
         raise ConfigError("lightfleet resume", overrides[0], "a sweep continues as its command line planned "
                           "it: give only SWEEP_DIR")
+    take_over("lightfleet resume", sweep_dir)
     os.chdir(record["cwd"])  # the command line's relative paths are from there
     user_code_last(record["cwd"])
     parsed, parser, config_name = parse(record["command"])

@@ -88,6 +88,26 @@ def take(key: str, path: Path, subdir: str) -> None:
         file.write(yaml.safe_dump(owner, sort_keys=False))
 
 
+def take_over(key: str, path: Path) -> None:
+    """Make a stopped sweep's directory this command's, to continue it in place (`lightfleet resume
+    SWEEP_DIR`): refused while its holder still runs on this host; of two commands continuing it at
+    once, one goes on: the old claim is renamed away (atomic: the other finds it gone), then taken
+    as `take` does."""
+    claim = path / OWNER_YAML
+    if claim.exists():
+        owner = yaml.safe_load(claim.read_text()) or {}
+        if owner.get("host") == platform.node() and alive(owner.get("pid", -1)):
+            raise ConfigError(key, str(path), f"is held by a command still running (pid {owner['pid']}: "
+                              f"{owner.get('command')}); stop it first, or remove {claim} if that process is another")
+        ended = path / f".{OWNER_YAML}.{os.getpid()}.ended"
+        try:
+            os.rename(claim, ended)
+        except FileNotFoundError:
+            raise ConfigError(key, str(path), "is being continued by another command") from None
+        ended.unlink()
+    take(key, path, "")
+
+
 def held_by(owner_file: Path, wait_s: float = 2.0) -> str:
     """Why a command cannot take a directory whose owner.yaml is `owner_file`: who holds it, and
     what to do. The holder writes the file right after creating it: an empty one is waited for."""

@@ -20,7 +20,7 @@ from pytorch_lightning import LightningModule
 from runner.config.compose import compose_config
 from runner.core.errors import ConfigError
 from runner.models import GPTDecoder, MLPClassifier
-from runner.records.run_dir import check_weights_fit, checkpoint_contents, find_checkpoint, reserve_dir
+from runner.records.run_dir import check_weights_fit, checkpoint_contents, find_checkpoint, reserve_dir, take_over
 
 
 def reserve(*overrides: str, sweep: bool = False, subdir: str = ""):
@@ -85,6 +85,21 @@ def test_a_directory_whose_holder_died_before_recording_a_run_says_which_file_fr
         reserve(f"paths.output_dir={left}")
     (left / "owner.yaml").unlink()
     assert reserve(f"paths.output_dir={left}") == left
+
+
+def test_a_stopped_sweep_is_taken_over_to_continue_it_only_once_its_holder_has_ended(tmp_path):
+    owner = tmp_path / "owner.yaml"
+    owner.write_text(yaml.safe_dump({"pid": os.getpid(), "host": platform.node(), "command": "lightfleet -m seed=1,2"}))
+    with pytest.raises(ConfigError, match=rf"is held by a command still running \(pid {os.getpid()}: lightfleet -m "):
+        take_over("lightfleet resume", tmp_path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner.write_text(yaml.safe_dump({"pid": int(gone.stdout), "host": platform.node(), "command": "lightfleet"}))
+    take_over("lightfleet resume", tmp_path)
+    assert yaml.safe_load(owner.read_text())["pid"] == os.getpid()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["owner.yaml"]  # the old claim renamed away and gone
+    owner.unlink()  # a sweep from before lightfleet claimed directories: taken as a new one
+    take_over("lightfleet resume", tmp_path)
+    assert owner.is_file()
 
 
 def test_hydra_run_dir_is_the_same_setting_as_paths_output_dir(tmp_path):
