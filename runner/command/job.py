@@ -32,6 +32,7 @@ from runner.core.paths import user_code_last
 from runner.core.plan import Plan, format_plan
 from runner.core.clock import mark_start
 from runner.records import files
+from runner.records.checkpoints import CheckpointNotWritten
 from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.core.world import World, external_rank
 from runner.rank.parent import INTERRUPTED, STOPPED, exit_status
@@ -53,6 +54,8 @@ def run_checked(flight: Flight, run_dir: Path, _cfg: DictConfig) -> None:
             code = train_run(spec, flight.plan, command, records, flight.start_step)
         except (ConfigError, Refusal):
             raise
+        except CheckpointNotWritten:  # a full disk, said and recorded by train_run
+            sys.exit(1)
         except Exception as error:  # the user's code failed in this process: one line, the rest in the log
             log_to_file_only("run failed")
             print(f"lightfleet: run failed: {error_line(error)}; traceback in "
@@ -89,6 +92,8 @@ def run_sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig) ->
         return objective(spec, records) if code == 0 else no_result()
     except ConfigError as error:  # e.g. a module name only the built model can reject
         print(f"lightfleet: job {hydra.job.num} error: {error}", file=sys.stderr)
+    except CheckpointNotWritten:  # a full disk, said and recorded by train_run
+        pass
     except Exception as error:  # the job's own code failed in this process: the sweep goes on
         log_to_file_only(f"job {hydra.job.num} failed")
         print(f"lightfleet: job {hydra.job.num} failed: {error_line(error)}; traceback in {records / (hydra.job.name + '.log')}", file=sys.stderr)
@@ -157,13 +162,16 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
                                                                    for code in codes.values()):
             return preempted(records, run_dir, signal.SIGINT if INTERRUPTED in codes.values() else signal.SIGTERM)
         first_rank, first = failure.get_first_failure()
-        reason = last_error_line(records / files.LOGS_DIR, first.local_rank)
-        say(f"lightfleet: run failed: rank {first_rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
-            f"rank {codes}; logs in {records / files.LOGS_DIR})", sys.stderr)
+        reason = last_error_line(records / files.LOGS_DIR, first.local_rank).removeprefix('lightfleet: ')
         # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
         code = 2 if 2 in codes.values() else 1
-        record_failure(records, code, reason)
+        unrecorded = record_failure(records, code, reason)
+        say(f"lightfleet: run failed: rank {first_rank}: {reason} (exit status by "
+            f"rank {codes}; logs in {records / files.LOGS_DIR}){unrecorded}", sys.stderr)
         return code
+    except CheckpointNotWritten as full:  # in this process: one line, no traceback (the log shares the full disk)
+        print(f"lightfleet: run failed: {full}{record_failure(records, 1, str(full))}", file=sys.stderr, flush=True)
+        raise
     except Exception as error:  # in this process: recorded, then handled as any error
         record_failure(records, 2 if isinstance(error, ConfigError) else 1, error_line(error))
         raise

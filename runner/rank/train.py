@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
 from runner.core.plan import Plan
 from runner.core.clock import started_at
+from runner.records.checkpoints import CheckpointNotWritten
 from runner.records.files import CONFIG_YAML, JOB_LOG, RESULTS_YAML, rank_traceback
 from runner.records.run_dir import read_plan, write_yaml
 from runner.rank.parent import start_clean, tie_to_command
@@ -139,6 +140,9 @@ def train_from(records: Path) -> Dict[str, Any]:
 def report_failure(records: Path, error: Exception) -> int:
     """A rank's failure in the user's code: the traceback to a file of the run's logs, one line to
     stderr (the command repeats it); the exit status."""
+    if isinstance(error, CheckpointNotWritten):  # a full disk: the line says it all, and no file would fit
+        print(f"lightfleet: {error}", file=sys.stderr, flush=True)
+        return 1
     rank = os.environ.get("RANK", "0")
     path = records / rank_traceback(rank)
     path.parent.mkdir(parents=True, exist_ok=True)

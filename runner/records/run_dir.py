@@ -21,6 +21,7 @@ from runner.core.paths import CHECKOUT
 from runner.core.errors import ConfigError, error_line, require
 from runner.core.plan import Plan, format_plan
 from runner.core.world import World, external_rank, launched_externally
+from runner.records.checkpoints import write_atomically
 from runner.records.files import (CONFIG_YAML, ENV_YAML, FAILED, FAILURE_YAML, LAST_CHECKPOINT, MULTIRUN_YAML,
                                   NODES_DIR, PLAN_YAML, RANKS_DIR, failure_outcome)
 
@@ -186,10 +187,15 @@ def records_subdir(world: World) -> str:
     return ""
 
 
-def record_failure(records: Path, exit_code: int, error: str, status: str = FAILED) -> None:
-    """failure.yaml: how the run ended (`status`, unless it ran out of memory: the cure differs)."""
-    write_yaml(records / FAILURE_YAML, {"status": failure_outcome(error, status), "exit_code": exit_code,
-                                       "error": error})
+def record_failure(records: Path, exit_code: int, error: str, status: str = FAILED) -> str:
+    """failure.yaml: how the run ended (`status`, unless it ran out of memory: the cure differs).
+    Returns what the run's line adds when even that cannot be written (a full disk), else ""."""
+    try:
+        write_yaml(records / FAILURE_YAML, {"status": failure_outcome(error, status), "exit_code": exit_code,
+                                           "error": error})
+    except OSError as problem:
+        return f"; {records / FAILURE_YAML} could not be written either ({problem.strerror})"
+    return ""
 
 
 def read_plan(records: Path) -> Plan:
@@ -254,7 +260,6 @@ def git_commit() -> str:
 
 
 def write_yaml(path: Path, data: Any) -> None:
-    """Write atomically: a reader never sees half a file, and a crash leaves the old one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)
+    """Write atomically: a reader never sees half a file, a crash leaves the old one, and a failed
+    write (a full disk) leaves no temporary file."""
+    write_atomically(path, yaml.safe_dump(data, sort_keys=False).encode())
