@@ -256,12 +256,12 @@ def export(checkpoint: Path, out: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     if not checkpoint.is_dir():
-        torch.save(torch.load(checkpoint, map_location="cpu", weights_only=False), out)
+        torch.save(torch.load(checkpoint, map_location="cpu", weights_only=True), out)  # data only, never code
         return
     dcp_to_torch_save(checkpoint, out)
-    state = torch.load(out, map_location="cpu", weights_only=False)
+    state = torch.load(out, map_location="cpu", weights_only=True)
     meta = checkpoint / "meta.pt"  # ModelParallelStrategy's file for everything but weights and optimizers
-    full = torch.load(meta, map_location="cpu", weights_only=False) if meta.is_file() else {}
+    full = torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
     full["state_dict"] = state.pop("state_dict")
     optimizers = sorted((key for key in state if key.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     full["optimizer_states"] = [state.pop(key) for key in optimizers]

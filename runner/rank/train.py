@@ -92,17 +92,19 @@ def train(cfg: DictConfig, plan: Plan, records: Path) -> Dict[str, Any]:
     if cfg.test:
         for hook, owner in (("test_dataloader", built.datamodule), ("test_step", built.model)):
             require(is_overridden(hook, owner), "test", True, f"{type(owner).__name__} has no {hook}")
+    # Checkpoints are read as data only (weights_only): a crafted pickle never runs code in a rank.
     if cfg.evaluate:  # the weights of ckpt_path, no training
-        trainer.validate(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.validate(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     else:
-        trainer.fit(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
         save_last_checkpoint(trainer)
     results = {name: float(value) for name, value in trainer.callback_metrics.items()}
     validated = next((callback.step for callback in trainer.callbacks if isinstance(callback, LastValidation)), None)
     if validated is not None and any(name.startswith("val_") for name in results):
         results["val_step"] = validated
     if cfg.test:  # the weights fit ended with, or ckpt_path's
-        trainer.test(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path if cfg.evaluate else None)
+        trainer.test(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path if cfg.evaluate else None,
+                     weights_only=True)
         results.update((name, float(value)) for name, value in trainer.callback_metrics.items())
     results["global_step"] = trainer.global_step
     if built.meter is not None and built.meter.summary:

@@ -5,7 +5,7 @@ that the next checkpoint write meets ENOSPC for real."""
 from __future__ import annotations
 
 import contextlib
-import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -29,17 +29,15 @@ def small_filesystem(where: Path, size: str) -> Iterator[Path]:
 
 
 class FillDisk(pl.Callback):
-    """At step `at_step`, rank 0 fills the filesystem of the run directory to `leave_bytes` free
-    (with a file in the directory above it, which the run does not own)."""
+    """At step `at_step`, rank 0 fills the filesystem of `volume` to `leave_bytes` free, with a
+    file of its own there that the run does not own; once: a run resumed from this one (the same
+    callback in its config) finds the file and leaves the disk as it is."""
 
-    def __init__(self, at_step: int, leave_bytes: int) -> None:
-        self.at_step, self.leave_bytes = at_step, leave_bytes
+    def __init__(self, volume: str, at_step: int, leave_bytes: int) -> None:
+        self.ballast, self.at_step, self.leave_bytes = Path(volume) / BALLAST, at_step, leave_bytes
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
-        if trainer.global_step != self.at_step or not trainer.is_global_zero:
+        if trainer.global_step != self.at_step or not trainer.is_global_zero or self.ballast.exists():
             return
-        root = Path(trainer.default_root_dir).parent
-        stat = os.statvfs(root)
-        free = stat.f_bavail * stat.f_frsize
-        with open(root / BALLAST, "wb") as ballast:
-            ballast.write(b"\0" * max(free - self.leave_bytes, 0))
+        free = shutil.disk_usage(self.ballast.parent).free
+        self.ballast.write_bytes(b"\0" * max(free - self.leave_bytes, 0))
