@@ -111,8 +111,9 @@ def test_a_damaged_checkpoint_is_refused_naming_the_newest_intact_one(runs, ligh
     where = runs[0]
     copy = damaged_copy(where, "last.ckpt")
     intact = copy / "checkpoints" / f"epoch=0-step={STEPS}.ckpt"
-    for command in ("resume", "eval"):
-        refused = lightfleet_in(where, command, str(copy))
+    # Unrefused, the resume would train on from the damaged weights (the issue: to NaN or, elsewhere, silently).
+    for command, longer in (("resume", [f"trainer.max_steps={STEPS + 10}"]), ("eval", [])):
+        refused = lightfleet_in(where, command, str(copy), *longer)
         assert refused.returncode == 2, refused.stderr[-3000:]
         assert refused.stderr.splitlines() == [
             f"lightfleet: error: ckpt_path='{copy}/checkpoints/last.ckpt': is damaged: its bytes differ from those "
