@@ -182,7 +182,7 @@ def checkpoint(flight: Flight) -> None:
     run = flight.spec.cfg
     if run.ckpt_path is not None:  # relative to where the command ran, also after hydra.job.chdir
         path = find_checkpoint(run, Path(HydraConfig.get().runtime.cwd))
-        contents = verified_contents(path, run.evaluate)
+        contents, unverified = verified_contents(path, run.evaluate)
         if flight.model is not None:
             check_weights_fit(path, contents, flight.model)
         run.ckpt_path = str(path)
@@ -191,6 +191,7 @@ def checkpoint(flight: Flight) -> None:
                 f"ckpt_path {path} was saved at step {saved}: nothing is left to train; raise it "
                 f"(e.g. trainer.max_steps={2 * max(saved, 1)})")
         flight.start_step = saved
+        flight.plan.notes += [unverified] if unverified else []
 
 
 def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:
@@ -267,7 +268,7 @@ STAGES = (
           "split points, blocks enough for the stages and a loss()), its optimizer replacement (the optimizer "
           "family lars, lamb and dgc need) and the model's optimizer's own arguments (a negative learning rate) on the meta-device model", plan_on_the_model),
     Stage("checkpoint", "ckpt_path exists, its bytes match its manifest (sha256; damaged or truncated: "
-          "refused naming the newest intact checkpoint beside it; none: read with a note), it loads as data "
+          "refused naming the newest intact checkpoint beside it; none: read, with a note in the plan), it loads as data "
           "only (torch's weights-only unpickler: a pickle that calls code is refused) and its weights fit the "
           "meta-device model (`last`: the newest "
           "last.ckpt of the same experiment and model under paths.root_dir, named in one line); unless "

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional
@@ -68,8 +69,10 @@ def save(path: Path, data: bytes, step: int) -> None:
     goes first: a crash between the two leaves a file without one, read as unverified, never a
     manifest that does not match its file."""
     manifest_path(path).unlink(missing_ok=True)
-    write_atomically(path, data)
-    manifest = {"file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "step": step}
+    with ThreadPoolExecutor(1) as hasher:  # the digest while the bytes are written and fsynced: both free the GIL
+        digest = hasher.submit(lambda: hashlib.sha256(data).hexdigest())
+        write_atomically(path, data)
+    manifest = {"file": path.name, "bytes": len(data), "sha256": digest.result(), "step": step}
     write_atomically(manifest_path(path), json.dumps(manifest, indent=1).encode())
 
 

@@ -158,11 +158,12 @@ class Unreadable(ConfigError):
     """A checkpoint that is no checkpoint (truncated, or another kind of file)."""
 
 
-def verified_contents(checkpoint: Path, evaluate: bool = False) -> CheckpointContents:
-    """`checkpoint_contents` of a checkpoint whose bytes match its manifest (runner/records/checkpoints.py).
-    A damaged, truncated or unreadable one is refused in one line naming the newest intact
-    checkpoint beside it and the command that uses it; one without a manifest (not written by
-    lightfleet) is read with a note. Temporary files a crash left beside it are removed first."""
+def verified_contents(checkpoint: Path, evaluate: bool = False) -> Tuple[CheckpointContents, Optional[str]]:
+    """`checkpoint_contents` of a checkpoint whose bytes match its manifest (runner/records/checkpoints.py),
+    and a note for the plan when it has none (not written by lightfleet: read unverified). A
+    damaged, truncated or unreadable one is refused in one line naming the newest intact
+    checkpoint beside it and the command that uses it. Temporary files a crash left beside it
+    are removed first."""
     remove_leftovers(checkpoint.parent)
     verdict = verify(checkpoint)
     if verdict.problem:
@@ -171,10 +172,9 @@ def verified_contents(checkpoint: Path, evaluate: bool = False) -> CheckpointCon
         contents = checkpoint_contents(checkpoint)
     except Unreadable as error:
         raise ConfigError("ckpt_path", str(checkpoint), error.allowed + instead(checkpoint, evaluate)) from None
-    if checkpoint.is_file() and verdict.manifest is None:
-        print(f"lightfleet: note: {checkpoint} has no manifest ({manifest_path(checkpoint).name}): not written by "
-              f"lightfleet, its bytes are not verified", flush=True)
-    return contents
+    unverified = checkpoint.is_file() and verdict.manifest is None
+    return contents, (f"{checkpoint} has no manifest ({manifest_path(checkpoint).name}): not written by lightfleet, "
+                      f"its bytes are not verified" if unverified else None)
 
 
 def instead(checkpoint: Path, evaluate: bool) -> str:
