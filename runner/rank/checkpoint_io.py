@@ -3,12 +3,10 @@ is written whole or not at all, with its manifest (runner/records/checkpoints.py
 data only. Lightning's own writes through fsspec's transaction, a temporary file in the system
 temp directory then a move, which across filesystems is a copy: a full disk leaves a truncated
 file under the checkpoint's name. Checkpoint directories (sharding stages 2/3, the pipeline) are
-their strategies' to write."""
+written whole by their strategies (plugins/directory_checkpoint.py)."""
 from __future__ import annotations
 
-import errno
 import io
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Set
 
@@ -38,9 +36,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             checkpoints.save(path, buffer.getbuffer(), int(checkpoint.get("global_step", -1)))
         except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if not checkpoints.is_full_disk(error):
                 raise
-            raise checkpoints.CheckpointNotWritten(full_disk_line(path, buffer.getbuffer().nbytes)) from error
+            raise checkpoints.CheckpointNotWritten(checkpoints.full_disk_line(path, buffer.getbuffer().nbytes)) from error
 
     @override
     def load_checkpoint(self, path: Any, map_location: Optional[Callable] = lambda storage, loc: storage,
@@ -51,16 +49,4 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """ModelCheckpoint's retention (save_top_k) removes through here: the manifest goes too."""
-        if Path(path).is_dir():
-            super().remove_checkpoint(path)
-        else:
-            checkpoints.remove(Path(path))
-
-
-def full_disk_line(path: Path, needed: int) -> str:
-    """What a full disk stopped: the file, the space it needed, and the checkpoint that stands."""
-    free = shutil.disk_usage(path.parent).free
-    standing = checkpoints.newest_intact(path.parent)
-    stands = (f"the checkpoint that stands is {standing} (step {checkpoints.read_manifest(standing)['step']})"
-              if standing else "no checkpoint of this run stands")
-    return f"no space left on device for checkpoint {path}: it needs {needed:,} bytes, {free:,} are free; {stands}"
+        checkpoints.remove(Path(path))

@@ -172,7 +172,7 @@ def verified_contents(checkpoint: Path, evaluate: bool = False) -> Tuple[Checkpo
         contents = checkpoint_contents(checkpoint)
     except Unreadable as error:
         raise ConfigError("ckpt_path", str(checkpoint), error.allowed + instead(checkpoint, evaluate)) from None
-    unverified = checkpoint.is_file() and verdict.manifest is None
+    unverified = verdict.manifest is None
     return contents, (f"{checkpoint} has no manifest ({manifest_path(checkpoint).name}): not written by lightfleet, "
                       f"its bytes are not verified" if unverified else None)
 
