@@ -6,7 +6,8 @@ The faults are real: the run directory on a small tmpfs (a filesystem other than
 directory's, as a cluster's scratch volume), filled at step 20 by `FillDisk` (tests/helpers/
 full_disk.py) as another job on the volume would; bytes overwritten in a checkpoint file; a
 checkpoint whose pickle calls os.system. Three runs serve every test of the module: the one the
-full disk stops, the same run uninterrupted, and the first resumed from the checkpoint that stood.
+full disk stops, the same run uninterrupted, and the first resumed from the checkpoint that stood;
+and a run of checkpoint directories (sharding stage 3 in 2 processes) the full disk stops.
 """
 from __future__ import annotations
 
@@ -158,6 +159,48 @@ def test_a_checkpoint_without_manifest_loads_with_a_note_and_leftovers_are_remov
     assert (f"note: {checkpoint} has no manifest (last.ckpt.manifest.json): not written by lightfleet, its bytes "
             f"are not verified") in planned.stdout.splitlines()
     assert not leftover.exists()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, lightfleet_in):
+    """(where, completed process) of a 2-process sharding stage 3 run (checkpoint directories, every
+    rank writing its shard) stopped by the full disk at step 20."""
+    where = tmp_path_factory.mktemp("sharded")
+    with small_filesystem(where / "scratch", "4m") as scratch:
+        stopped = lightfleet_in(where, *RUN, "strategy=[sharding]", "strategy.sharding.stage=3", "trainer.devices=2",
+                                f"paths.output_dir={scratch / 'run'}",
+                                "+callbacks.fill._target_=tests.helpers.full_disk.FillDisk",
+                                f"+callbacks.fill.volume={scratch}", f"+callbacks.fill.at_step={FULL_AT}",
+                                "+callbacks.fill.leave_bytes=100000")
+        shutil.copytree(scratch / "run", where / "stopped")
+        yield where, stopped
+
+
+@pytest.mark.slow
+def test_a_full_disk_leaves_sharded_checkpoint_directories_whole_and_a_damaged_shard_is_refused(sharded, lightfleet_in):
+    where, stopped = sharded
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    run, copy = where / "scratch" / "run", where / "stopped"
+    assert "Traceback" not in stopped.stderr
+    assert stopped.stderr.splitlines()[-1].startswith(
+        f"lightfleet: run failed: rank 0: no space left on device for checkpoint {run}/checkpoints/epoch=1-step={FULL_AT}.ckpt")
+    assert f"the checkpoint that stands is {run}/checkpoints/last.ckpt (step {EVERY})" in stopped.stderr.splitlines()[-1]
+    # Two whole directories with their manifests; nothing half written under a checkpoint's name, no temporary one.
+    assert sorted(path.name for path in (copy / "checkpoints").iterdir()) == [
+        f"epoch=0-step={EVERY}.ckpt", f"epoch=0-step={EVERY}.ckpt.manifest.json", "last.ckpt", "last.ckpt.manifest.json"]
+    last = copy / "checkpoints" / "last.ckpt"
+    assert checkpoints.verify(last).problem is None
+    assert sorted(checkpoints.read_manifest(last)["files"]) == sorted(path.name for path in last.iterdir())
+    with open(last / "__1_0.distcp", "r+b") as shard:  # 4 KB overwritten in rank 1's shard, its size unchanged
+        shard.seek(1024)
+        shard.write(os.urandom(4096))
+    refused = lightfleet_in(where, "resume", str(copy))
+    intact = copy / "checkpoints" / f"epoch=0-step={EVERY}.ckpt"
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        f"lightfleet: error: ckpt_path='{last}': is damaged: the bytes of its file __1_0.distcp differ from those its "
+        f"manifest's sha256 was taken of; the newest intact checkpoint of the run is {intact} (step {EVERY}): "
+        f"lightfleet resume {copy} \"ckpt_path='{intact}'\""]
 
 
 def test_a_crafted_checkpoint_never_runs_its_pickle(lightfleet, tmp_path):
