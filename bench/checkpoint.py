@@ -76,9 +76,10 @@ def main() -> None:
                "ratio": median["lightfleet"] / median["lightning"],
                "fsyncs_share": (median["lightfleet"] - median["lightfleet_without_fsync"]) / median["lightfleet"]}
         rows.append(row)
-        print(f"{size / 1e6:7.1f} MB  lightning {median['lightning'] * 1e3:8.1f} ms  lightfleet "
-              f"{median['lightfleet'] * 1e3:8.1f} ms  (without fsync {median['lightfleet_without_fsync'] * 1e3:8.1f} ms)"
-              f"  ratio {row['ratio']:.2f}  fsyncs {row['fsyncs_share']:.0%} of lightfleet's time", flush=True)
+        ms = {name: f"{value * 1e3:8.1f} ms" for name, value in median.items()}
+        print(f"{size / 1e6:7.1f} MB  lightning {ms['lightning']}  lightfleet {ms['lightfleet']}  (without fsync "
+              f"{ms['lightfleet_without_fsync']})  ratio {row['ratio']:.2f}  fsyncs {row['fsyncs_share']:.0%} of "
+              f"lightfleet's time", flush=True)
         for name in ("lightning.ckpt", "ours.ckpt", "ours_nofsync.ckpt"):
             (where / name).unlink(missing_ok=True)
     for leftover in where.iterdir():

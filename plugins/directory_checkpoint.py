@@ -19,6 +19,7 @@ from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
+from runner.core.errors import first_line
 from runner.records import checkpoints
 
 
@@ -46,15 +47,19 @@ class WholeCheckpointStrategy(ModelParallelStrategy):
                 meta = io.BytesIO()
                 torch.save(checkpoint, meta)
                 checkpoints.write_atomically(written / _METADATA_FILENAME, meta.getbuffer())
-        except (Exception, CheckpointException) as error:  # noqa: BLE001 (the ranks decide together; torch's is a BaseException)
-            failure = error
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 (torch's is a BaseException)
+            failure = error  # the ranks decide together, below
         if not self.reduce_boolean_decision(failure is None, all=True):
             if self.global_rank == 0:
                 shutil.rmtree(written, ignore_errors=True)
             if failure is not None and checkpoints.is_full_disk(failure):
                 needed = sum(value.numel() * value.element_size() for value in _tensors(state))
                 raise checkpoints.CheckpointNotWritten(checkpoints.full_disk_line(path, needed)) from failure
-            raise failure or RuntimeError(f"another rank could not write its part of checkpoint {path}")
+            if isinstance(failure, Exception):
+                raise failure
+            # torch's CheckpointException escapes `except Exception`: a RuntimeError is the rank's one line
+            raise RuntimeError(f"checkpoint {path} was not written: "
+                               f"{'another rank failed' if failure is None else first_line(failure)}") from failure
         if self.global_rank == 0:
             checkpoints.commit_directory(written, path, int(checkpoint.get("global_step", -1)))
         self.barrier("checkpoint directory in place")

@@ -182,12 +182,14 @@ def test_a_full_disk_leaves_sharded_checkpoint_directories_whole_and_a_damaged_s
     assert stopped.returncode == 1, stopped.stderr[-3000:]
     run, copy = where / "scratch" / "run", where / "stopped"
     assert "Traceback" not in stopped.stderr
-    assert stopped.stderr.splitlines()[-1].startswith(
-        f"lightfleet: run failed: rank 0: no space left on device for checkpoint {run}/checkpoints/epoch=1-step={FULL_AT}.ckpt")
-    assert f"the checkpoint that stands is {run}/checkpoints/last.ckpt (step {EVERY})" in stopped.stderr.splitlines()[-1]
+    last_line = stopped.stderr.splitlines()[-1]
+    assert last_line.startswith(f"lightfleet: run failed: rank 0: no space left on device for checkpoint "
+                                f"{run}/checkpoints/epoch=1-step={FULL_AT}.ckpt")
+    assert f"the checkpoint that stands is {run}/checkpoints/last.ckpt (step {EVERY})" in last_line
     # Two whole directories with their manifests; nothing half written under a checkpoint's name, no temporary one.
     assert sorted(path.name for path in (copy / "checkpoints").iterdir()) == [
-        f"epoch=0-step={EVERY}.ckpt", f"epoch=0-step={EVERY}.ckpt.manifest.json", "last.ckpt", "last.ckpt.manifest.json"]
+        f"epoch=0-step={EVERY}.ckpt", f"epoch=0-step={EVERY}.ckpt.manifest.json", "last.ckpt",
+        "last.ckpt.manifest.json"]
     last = copy / "checkpoints" / "last.ckpt"
     assert checkpoints.verify(last).problem is None
     assert sorted(checkpoints.read_manifest(last)["files"]) == sorted(path.name for path in last.iterdir())

@@ -162,11 +162,11 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
                                                                    for code in codes.values()):
             return preempted(records, run_dir, signal.SIGINT if INTERRUPTED in codes.values() else signal.SIGTERM)
         first_rank, first = failure.get_first_failure()
-        reason = last_error_line(records / files.LOGS_DIR, first.local_rank).removeprefix('lightfleet: ')
+        reason = last_error_line(records / files.LOGS_DIR, first.local_rank)
         # A rank that exits 2 has printed a bad-input line; the others were stopped because of it.
         code = 2 if 2 in codes.values() else 1
-        unrecorded = record_failure(records, code, reason)
-        say(f"lightfleet: run failed: rank {first_rank}: {reason} (exit status by "
+        unrecorded = record_failure(records, code, reason)  # first: the line says if it could not be
+        say(f"lightfleet: run failed: rank {first_rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
             f"rank {codes}; logs in {records / files.LOGS_DIR}){unrecorded}", sys.stderr)
         return code
     except CheckpointNotWritten as full:  # in this process: one line, no traceback (the log shares the full disk)

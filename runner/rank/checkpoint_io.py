@@ -38,7 +38,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except OSError as error:
             if not checkpoints.is_full_disk(error):
                 raise
-            raise checkpoints.CheckpointNotWritten(checkpoints.full_disk_line(path, buffer.getbuffer().nbytes)) from error
+            line = checkpoints.full_disk_line(path, buffer.getbuffer().nbytes)
+            raise checkpoints.CheckpointNotWritten(line) from error
 
     @override
     def load_checkpoint(self, path: Any, map_location: Optional[Callable] = lambda storage, loc: storage,
