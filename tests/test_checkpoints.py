@@ -21,6 +21,8 @@ import pytest
 import torch
 import yaml
 
+from runner.command.planning import plan_for
+from runner.core.plan import format_plan
 from runner.records import checkpoints
 from runner.records.run_dir import write_yaml
 from tests.helpers.full_disk import BALLAST, small_filesystem
@@ -203,6 +205,16 @@ def test_a_full_disk_leaves_sharded_checkpoint_directories_whole_and_a_damaged_s
         f"lightfleet: error: ckpt_path='{last}': is damaged: the bytes of its file __1_0.distcp differ from those its "
         f"manifest's sha256 was taken of; the newest intact checkpoint of the run is {intact} (step {EVERY}): "
         f"lightfleet resume {copy} \"ckpt_path='{intact}'\""]
+
+
+def test_every_plan_claims_lightfleets_checkpoint_writer_shown_in_full_not_on_the_console(spec_for):
+    for strategies in (["strategy=[]"], ["strategy=[sharding]", "strategy.sharding.stage=3"]):
+        plan = plan_for(spec_for("trainer.devices=2", *strategies))
+        assert (plan.checkpoint_io.by, plan.checkpoint_io.component.target) == (
+            "lightfleet", "runner.rank.checkpoint_io:AtomicCheckpointIO")
+        assert "checkpoint io: runner.rank.checkpoint_io:AtomicCheckpointIO()  <- lightfleet" in format_plan(plan)
+        assert "checkpoint io" not in format_plan(plan, everything=False)
+        assert "lightning strategy: " in format_plan(plan, everything=False)
 
 
 def test_a_crafted_checkpoint_never_runs_its_pickle(lightfleet, tmp_path):

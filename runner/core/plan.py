@@ -212,12 +212,13 @@ def format_plan(plan: Plan, everything: bool = True) -> str:
         return [f"  {arg}={v['value']!r}  <- {v['by']}" for arg, v in claimed.items()]
 
     for slot, claim in (("precision", plan.precision), ("lightning strategy", plan.lightning_strategy),
-                        ("optimizer replacement", plan.optimizer), ("gradient communication hook", plan.comm_hook),
-                        ("checkpoint io", plan.checkpoint_io)):
-        if claim is not None and (everything or claim.by != RUNNER):
+                        ("optimizer replacement", plan.optimizer), ("gradient communication hook", plan.comm_hook)):
+        if claim is not None:
             lines.append(f"{slot}: {describe(claim)}")
         if claim is not None and claim is plan.lightning_strategy:
             lines += arguments(plan.lightning_strategy_args)
+    if plan.checkpoint_io is not None and (everything or plan.checkpoint_io.by != RUNNER):  # as the runner's callbacks
+        lines.append(f"checkpoint io: {describe(plan.checkpoint_io)}")
     if plan.optimizer_transforms:
         lines.append("optimizer transforms (in order, after any replacement):")
         lines += [f"  {describe(c)}" for c in plan.optimizer_transforms]
