@@ -15,7 +15,6 @@ from typing import Any, Dict, Optional
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.strategies.strategy import _optimizers_to_device
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
@@ -26,6 +25,7 @@ from typing_extensions import override
 
 from plugins import pipeline_checkpoint
 from plugins.ddp import process_group_timeout
+from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.pipeline_split import in_eval_mode, keep_only_stages, stage_ranks, stage_split_points, traced_stages
 from plugins.sharding import layout_mesh, shard_strategy_optimizers
 from plugins.transforms import ModelContext
@@ -70,13 +70,14 @@ def require_loss(model: nn.Module) -> None:
                           "has no loss(outputs, targets) method, which the last pipeline stage calls per micro-batch")
 
 
-class PipelineStrategy(ModelParallelStrategy):
+class PipelineStrategy(WholeCheckpointStrategy):
     """One pipeline rank per process running `schedule_mode` over `accumulate_steps` micro-batches
     of `micro_batch_size` samples per optimizer step, `vpp_degree` stages per rank, on `layout`'s
     pp groups; the dp_shard replicas read different batches, and with `shard_optimizer_states`
     (ZeRO stage 1) each replica's optimizer steps only its share of the parameters.
 
-    ModelParallelStrategy brings the process group, the launcher and the distributed checkpoint.
+    ModelParallelStrategy brings the process group, the launcher and the distributed checkpoint
+    (written whole: plugins/directory_checkpoint.py).
     """
 
     def __init__(self, schedule_mode: str, micro_batch_size: int, accumulate_steps: int, vpp_degree: int,

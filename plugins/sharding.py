@@ -16,7 +16,7 @@ from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
-from pytorch_lightning.strategies import ModelParallelStrategy, Strategy
+from pytorch_lightning.strategies import Strategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugins.ddp import FleetDDPStrategy, process_group_timeout
+from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.fast_path import constructor_defaults
 from plugins.layerwise import NO_WEIGHT_DECAY
 from plugins.modules import float_buffer_modules, repeated_block_list
@@ -204,9 +205,10 @@ def shard_parameters(module: nn.Module, context: ModelContext, reshard_after_for
     return ["+".join(names) for names in units]
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(WholeCheckpointStrategy):
     """ModelParallelStrategy on the layout's mesh, for ZeRO stages 2 and 3: the model's
-    configure_model shards it (`shard_parameters`, after tensor parallelism and recompute)."""
+    configure_model shards it (`shard_parameters`, after tensor parallelism and recompute); its
+    checkpoint directories are written whole (plugins/directory_checkpoint.py)."""
 
     def __init__(self, layout: Layout, **kwargs: Any) -> None:
         super().__init__(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tp, **kwargs)
@@ -256,12 +258,12 @@ def export(checkpoint: Path, out: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     if not checkpoint.is_dir():
-        torch.save(torch.load(checkpoint, map_location="cpu", weights_only=False), out)
+        torch.save(torch.load(checkpoint, map_location="cpu", weights_only=True), out)  # data only, never code
         return
     dcp_to_torch_save(checkpoint, out)
-    state = torch.load(out, map_location="cpu", weights_only=False)
+    state = torch.load(out, map_location="cpu", weights_only=True)
     meta = checkpoint / "meta.pt"  # ModelParallelStrategy's file for everything but weights and optimizers
-    full = torch.load(meta, map_location="cpu", weights_only=False) if meta.is_file() else {}
+    full = torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
     full["state_dict"] = state.pop("state_dict")
     optimizers = sorted((key for key in state if key.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     full["optimizer_states"] = [state.pop(key) for key in optimizers]

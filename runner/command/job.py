@@ -32,6 +32,7 @@ from runner.core.paths import user_code_last
 from runner.core.plan import Plan, format_plan
 from runner.core.clock import mark_start
 from runner.records import files
+from runner.records.checkpoints import CheckpointNotWritten
 from runner.records.run_dir import create_run_dir, record_failure, write_yaml
 from runner.core.world import World, external_rank
 from runner.rank.parent import DIVERGED_EXIT, INTERRUPTED, STOPPED, exit_status
@@ -53,6 +54,8 @@ def run_checked(flight: Flight, run_dir: Path, _cfg: DictConfig) -> None:
             code = train_run(spec, flight.plan, command, records, flight.start_step)
         except (ConfigError, Refusal):
             raise
+        except CheckpointNotWritten:  # a full disk, said and recorded by train_run
+            sys.exit(1)
         except Exception as error:  # the user's code failed in this process: one line, the rest in the log
             log_to_file_only("run failed")
             print(f"lightfleet: run failed: {error_line(error)}; traceback in "
@@ -118,6 +121,8 @@ def sweep_job(checked: Mapping[Tuple[str, ...], Flight], cfg: DictConfig, record
         return objective(spec, records) if code == 0 else no_result()
     except ConfigError as error:  # e.g. a module name only the built model can reject
         print(f"lightfleet: job {hydra.job.num} error: {error}", file=sys.stderr)
+    except CheckpointNotWritten:  # a full disk, said and recorded by train_run
+        pass
     except Exception as error:  # the job's own code failed in this process: the sweep goes on
         log_to_file_only(f"job {hydra.job.num} failed")
         print(f"lightfleet: job {hydra.job.num} failed: {error_line(error)}; traceback in {records / (hydra.job.name + '.log')}", file=sys.stderr)
@@ -195,6 +200,9 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
             say(f"lightfleet: {files.job_ending(records).record['error']}", sys.stderr)
             return DIVERGED_EXIT
         return failed(records, run_dir, failure, codes)
+    except CheckpointNotWritten as full:  # in this process: one line, no traceback (the log shares the full disk)
+        print(f"lightfleet: run failed: {full}{record_failure(records, 1, str(full))}", file=sys.stderr, flush=True)
+        raise
     except Exception as error:  # in this process: recorded, then handled as any error
         record_failure(records, 2 if isinstance(error, ConfigError) else 1, error_line(error))
         raise
@@ -251,9 +259,9 @@ def failed(records: Path, run_dir: Path, failure: Any, codes: Dict[int, int]) ->
     code = 2 if 2 in codes.values() else 1
     resumable = code == 1 and (run_dir / files.LAST_CHECKPOINT).exists()
     resume = f"; continue with: lightfleet resume {run_dir}" if resumable else ""
+    unrecorded = record_failure(records, code, reason)  # first: the line says if it could not be
     say(f"lightfleet: run failed: rank {rank}: {reason.removeprefix('lightfleet: ')} (exit status by "
-        f"rank {codes}; logs in {records / files.LOGS_DIR}){resume}", sys.stderr)
-    record_failure(records, code, reason)
+        f"rank {codes}; logs in {records / files.LOGS_DIR}){unrecorded}{resume}", sys.stderr)
     return code
 
 

@@ -177,12 +177,12 @@ def plan_on_the_model(flight: Flight) -> None:
 def checkpoint(flight: Flight) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.records.run_dir import check_weights_fit, checkpoint_contents, find_checkpoint
+    from runner.records.run_dir import check_weights_fit, find_checkpoint, verified_contents
 
     run = flight.spec.cfg
     if run.ckpt_path is not None:  # relative to where the command ran, also after hydra.job.chdir
         path = find_checkpoint(run, Path(HydraConfig.get().runtime.cwd))
-        contents = checkpoint_contents(path)
+        contents, unverified = verified_contents(path, run.evaluate)
         if flight.model is not None:
             check_weights_fit(path, contents, flight.model)
         run.ckpt_path = str(path)
@@ -191,6 +191,7 @@ def checkpoint(flight: Flight) -> None:
                 f"ckpt_path {path} was saved at step {saved}: nothing is left to train; raise it "
                 f"(e.g. trainer.max_steps={2 * max(saved, 1)})")
         flight.start_step = saved
+        flight.plan.notes += [unverified] if unverified else []
 
 
 def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:
@@ -267,7 +268,10 @@ STAGES = (
     Stage("the plan on the model", "the plan's model transforms (module names of recompute and amp, pipeline "
           "split points, blocks enough for the stages and a loss()), its optimizer replacement (the optimizer "
           "family lars, lamb and dgc need) and the model's optimizer's own arguments (a negative learning rate) on the meta-device model", plan_on_the_model),
-    Stage("checkpoint", "ckpt_path exists and its weights fit the meta-device model (`last`: the newest "
+    Stage("checkpoint", "ckpt_path exists, its bytes match its manifest (sha256; damaged or truncated: "
+          "refused naming the newest intact checkpoint beside it; none: read, with a note in the plan), it loads as data "
+          "only (torch's weights-only unpickler: a pickle that calls code is refused) and its weights fit the "
+          "meta-device model (`last`: the newest "
           "last.ckpt of the same experiment and model under paths.root_dir, named in one line); unless "
           "evaluating, its step is below trainer.max_steps (a finished run resumed trains nothing)", checkpoint),
     Stage("directories", "the run or sweep directory: named, writable, not a file, not inside a run, not "

@@ -26,7 +26,8 @@ class Component:
     process group exists; optimizer replacement `f(optimizer, model=..., **kwargs) -> Optimizer`,
     applied to each optimizer the model's `configure_optimizers` returns, then each optimizer
     transform `f(optimizer, **kwargs) -> Optimizer` in order; model transform `f(module, context,
-    **kwargs) -> names of the modules changed` (plugins/transforms.py); callback `f(**kwargs) -> Callback`.
+    **kwargs) -> names of the modules changed` (plugins/transforms.py); callback `f(**kwargs) -> Callback`;
+    checkpoint io `f(**kwargs) -> CheckpointIO`.
     """
 
     target: str
@@ -86,6 +87,7 @@ class Contribution:
     lightning_strategy_args: Dict[str, Any] = field(default_factory=dict)  # for whichever the plan has
     optimizer: Optional[Component] = None
     comm_hook: Optional[Component] = None
+    checkpoint_io: Optional[Component] = None  # Lightning's CheckpointIO plugin
     model_transforms: List[Tuple[str, Component]] = field(default_factory=list)  # (phase, component)
     optimizer_transforms: List[Component] = field(default_factory=list)  # after the optimizer replacement
     trainer_args: Dict[str, Any] = field(default_factory=dict)

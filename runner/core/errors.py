@@ -14,7 +14,7 @@ class ConfigError(Exception):
     def __init__(self, key: str, value: Any, allowed: str, choices: Iterable[str] = ()):
         hint = did_you_mean(str(value), choices)
         super().__init__(f"{key}{'' if value is None else f'={value!r}'}: {allowed}{hint}")
-        self.key, self.value = key, value
+        self.key, self.value, self.allowed = key, value, allowed
 
     @classmethod
     def unknown_key(cls, key: str, known: Iterable[str]) -> "ConfigError":

@@ -19,7 +19,7 @@ from runner.core.contribution import Component, Contribution, RunShape, Strategy
 from runner.core.errors import Refusal
 from runner.core.world import Layout, World
 
-EXCLUSIVE_SLOTS = ("precision", "lightning_strategy", "optimizer", "comm_hook")
+EXCLUSIVE_SLOTS = ("precision", "lightning_strategy", "optimizer", "comm_hook", "checkpoint_io")
 # The order model transforms run in, all once the process group exists (in the model's
 # configure_model): rewrites of the forward's dtypes first, as the pipeline split traces the
 # forward; then each stage (or the whole model) is split over tensor-parallel ranks, wrapped for
@@ -57,6 +57,7 @@ class Plan:
     lightning_strategy: Optional[Claim] = None
     optimizer: Optional[Claim] = None
     comm_hook: Optional[Claim] = None
+    checkpoint_io: Optional[Claim] = None  # how checkpoint files are written and read
     lightning_strategy_args: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # arg -> {value, by}
     model_transforms: List[Claim] = field(default_factory=list)
     optimizer_transforms: List[Claim] = field(default_factory=list)
@@ -82,7 +83,7 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         """The plan as `to_dict` wrote it (extra keys, like the printed form, are ignored)."""
         return cls(strategies=list(data["strategies"]), world=dict(data["world"]),
-                   **{slot: Claim.from_dict(data[slot]) for slot in EXCLUSIVE_SLOTS},
+                   **{slot: Claim.from_dict(data.get(slot)) for slot in EXCLUSIVE_SLOTS},  # get: older plans
                    **{args: {arg: dict(claim) for arg, claim in data[args].items()}
                       for args in ("lightning_strategy_args", "trainer_args")},
                    **{claims: [Claim.from_dict(c) for c in data[claims]]
@@ -216,6 +217,8 @@ def format_plan(plan: Plan, everything: bool = True) -> str:
             lines.append(f"{slot}: {describe(claim)}")
         if claim is not None and claim is plan.lightning_strategy:
             lines += arguments(plan.lightning_strategy_args)
+    if plan.checkpoint_io is not None and (everything or plan.checkpoint_io.by != RUNNER):  # as the runner's callbacks
+        lines.append(f"checkpoint io: {describe(plan.checkpoint_io)}")
     if plan.optimizer_transforms:
         lines.append("optimizer transforms (in order, after any replacement):")
         lines += [f"  {describe(c)}" for c in plan.optimizer_transforms]

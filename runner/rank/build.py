@@ -88,6 +88,8 @@ def build(cfg: DictConfig, plan: Plan, run_dir: Path) -> Built:
     if plan.precision is not None:
         precision = plan.precision.component
         plugins.append(precision.load()(device_type=device_type(cfg.trainer.accelerator), **precision.kwargs))
+    if plan.checkpoint_io is not None:
+        plugins.append(load(plan.checkpoint_io))
     # The config's callbacks go between the strategies' and lightfleet's own (runner/core/plan.py says why).
     callbacks = [load(claim) for claim in plan.callbacks if claim.phase != AFTER_USER]
     callbacks += [instantiate_checked(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node]

@@ -1,7 +1,8 @@
 """lightfleet's own callbacks, in every run's plan (`<- lightfleet`), after the user's: the
 measurements (runner/rank/measure.py), the preemption checkpoint and the guard against non-finite
-training (preemption.py, divergence.py), what an exact
-resume needs (resume.py) and the progress bar (progress.py). Named here, beside them, as the
+training (preemption.py, divergence.py), what an exact resume needs (resume.py) and the progress
+bar (progress.py); and its checkpoint writer (checkpoint_io.py: whole files with a manifest, read
+as data only). Named here, beside them, as the
 plan names every component: by import path, loaded in each rank. Imports no torch.
 """
 from __future__ import annotations
@@ -13,9 +14,9 @@ from runner.core.contribution import Component, Contribution
 
 
 def runner_callbacks(spec: RunSpec) -> Contribution:
-    """The runner's callbacks for the run of `spec`."""
+    """The runner's callbacks and checkpoint writer for the run of `spec`."""
     measure = OmegaConf.to_object(spec.cfg.measure)
-    return Contribution(callbacks=[
+    return Contribution(checkpoint_io=Component("runner.rank.checkpoint_io:AtomicCheckpointIO"), callbacks=[
         *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
         Component("runner.rank.measure:LastValidation"),  # the step of the summary's val_loss
         # checkpoints/last.ckpt at a preemption signal; a stop where training stops being finite

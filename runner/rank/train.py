@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error, require
 from runner.core.plan import Plan
 from runner.core.clock import started_at
+from runner.records.checkpoints import CheckpointNotWritten
 from runner.records.files import (CONFIG_YAML, DIVERGED, JOB_LOG, LAST_CHECKPOINT, METRICS_CSV, RESTARTS_YAML,
                                   RESULTS_YAML, rank_traceback, read_yaml)
 from runner.records.run_dir import checkpoint_contents, read_plan, record_failure, write_yaml
@@ -98,17 +99,19 @@ def train(cfg: DictConfig, plan: Plan, records: Path,
     if cfg.test:
         for hook, owner in (("test_dataloader", built.datamodule), ("test_step", built.model)):
             require(is_overridden(hook, owner), "test", True, f"{type(owner).__name__} has no {hook}")
+    # Checkpoints are read as data only (weights_only): a crafted pickle never runs code in a rank.
     if cfg.evaluate:  # the weights of ckpt_path, no training
-        trainer.validate(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.validate(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     else:
-        trainer.fit(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
         save_last_checkpoint(trainer)
     results = {name: float(value) for name, value in trainer.callback_metrics.items()}
     validated = next((callback.step for callback in trainer.callbacks if isinstance(callback, LastValidation)), None)
     if validated is not None and any(name.startswith("val_") for name in results):
         results["val_step"] = validated
     if cfg.test:  # the weights fit ended with, or ckpt_path's
-        trainer.test(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path if cfg.evaluate else None)
+        trainer.test(built.model, datamodule=built.datamodule, ckpt_path=cfg.ckpt_path if cfg.evaluate else None,
+                     weights_only=True)
         results.update((name, float(value)) for name, value in trainer.callback_metrics.items())
     results["global_step"] = trainer.global_step
     if built.meter is not None and built.meter.summary:
@@ -182,6 +185,9 @@ def keep_metrics(trainer: Any, rows: List[Dict[str, str]]) -> None:
 def report_failure(records: Path, error: Exception) -> int:
     """A rank's failure in the user's code: the traceback to a file of the run's logs, one line to
     stderr (the command repeats it); the exit status."""
+    if isinstance(error, CheckpointNotWritten):  # a full disk: the line says it all, and no file would fit
+        print(f"lightfleet: {error}", file=sys.stderr, flush=True)
+        return 1
     rank = os.environ.get("RANK", "0")
     path = records / rank_traceback(rank)
     path.parent.mkdir(parents=True, exist_ok=True)

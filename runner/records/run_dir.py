@@ -20,9 +20,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from runner.core.paths import CHECKOUT
-from runner.core.errors import ConfigError, error_line, require
+from runner.core.errors import ConfigError, error_line, first_line, require
 from runner.core.plan import Plan, format_plan
 from runner.core.world import World, external_rank, launched_externally
+from runner.records.checkpoints import (manifest_path, newest_intact, read_manifest, remove_leftovers, verify,
+                                        write_atomically)
 from runner.records.files import (CONFIG_YAML, ENV_YAML, FAILED, FAILURE_YAML, LAST_CHECKPOINT, MULTIRUN_YAML,
                                   NODES_DIR, OWNER_YAML, PLAN_YAML, RANKS_DIR, failure_outcome)
 
@@ -201,7 +203,10 @@ class CheckpointContents:
 
 def checkpoint_contents(checkpoint: Path) -> CheckpointContents:
     """What a Lightning checkpoint holds, read without loading its tensors: a file (memory-mapped)
-    or a distributed checkpoint's directory (sharding stages 2/3, the pipeline)."""
+    or a distributed checkpoint's directory (sharding stages 2/3, the pipeline). Read as data only
+    (torch's weights-only unpickler): a pickle that would call code is refused, never run."""
+    import pickle
+
     import torch
     from lightning_fabric.strategies.fsdp import _METADATA_FILENAME
 
@@ -209,18 +214,60 @@ def checkpoint_contents(checkpoint: Path) -> CheckpointContents:
         if checkpoint.is_dir():
             from torch.distributed.checkpoint import FileSystemReader
 
-            meta = torch.load(checkpoint / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+            meta = torch.load(checkpoint / _METADATA_FILENAME, map_location="cpu", weights_only=True)
             stored = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
             weights = {key.removeprefix("state_dict."): tuple(item.size) if hasattr(item, "size") else None
                        for key, item in stored.items() if key.startswith("state_dict.")}
         else:
-            meta = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+            meta = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
             weights = {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
                        for key, value in meta["state_dict"].items()}
         return CheckpointContents(int(meta["global_step"]), weights)
+    except pickle.UnpicklingError as error:  # torch's weights-only unpickler met something other than data
+        needs = re.search(r"GLOBAL ([\w.]+)", str(error))
+        raise ConfigError("ckpt_path", str(checkpoint), f"needs more than data to load "
+                          f"({needs.group(1) if needs else first_line(error)}): lightfleet loads checkpoints "
+                          f"weights-only (torch.load(weights_only=True)), so a checkpoint's pickle never runs "
+                          f"code") from None
     except Exception as error:  # noqa: BLE001 (whatever a file that is no checkpoint raises)
-        raise ConfigError("ckpt_path", str(checkpoint), f"is not a checkpoint lightfleet can read "
-                          f"({error_line(error)})") from None
+        raise Unreadable("ckpt_path", str(checkpoint), f"is not a checkpoint lightfleet can read "
+                         f"({error_line(error)})") from None
+
+
+class Unreadable(ConfigError):
+    """A checkpoint that is no checkpoint (truncated, or another kind of file)."""
+
+
+def verified_contents(checkpoint: Path, evaluate: bool = False) -> Tuple[CheckpointContents, Optional[str]]:
+    """`checkpoint_contents` of a checkpoint whose bytes match its manifest (runner/records/checkpoints.py),
+    and a note for the plan when it has none (not written by lightfleet: read unverified). A
+    damaged, truncated or unreadable one is refused in one line naming the newest intact
+    checkpoint beside it and the command that uses it. Temporary files a crash left beside it
+    are removed first."""
+    remove_leftovers(checkpoint.parent)
+    verdict = verify(checkpoint)
+    if verdict.problem:
+        raise ConfigError("ckpt_path", str(checkpoint), verdict.problem + instead(checkpoint, evaluate))
+    try:
+        contents = checkpoint_contents(checkpoint)
+    except Unreadable as error:
+        raise ConfigError("ckpt_path", str(checkpoint), error.allowed + instead(checkpoint, evaluate)) from None
+    unverified = verdict.manifest is None
+    return contents, (f"{checkpoint} has no manifest ({manifest_path(checkpoint).name}): not written by lightfleet, "
+                      f"its bytes are not verified" if unverified else None)
+
+
+def instead(checkpoint: Path, evaluate: bool) -> str:
+    """What to use in place of a refused `checkpoint`: the newest intact one beside it, and the
+    command (`lightfleet resume RUN ckpt_path=...`, or eval) when it is a run's."""
+    intact = newest_intact(checkpoint.parent, besides=checkpoint)
+    if intact is None:
+        return "; no intact checkpoint lies beside it"
+    run = checkpoint.parent.parent
+    override = f"\"ckpt_path='{intact}'\""  # quoted for the shell and for Hydra: Lightning's names hold '='
+    command = f"lightfleet {'eval' if evaluate else 'resume'} {run} {override}" if (run / CONFIG_YAML).is_file() \
+        else override
+    return f"; the newest intact checkpoint of the run is {intact} (step {read_manifest(intact)['step']}): {command}"
 
 
 def check_weights_fit(checkpoint: Path, contents: CheckpointContents, model: Any) -> None:
@@ -266,10 +313,15 @@ def records_subdir(world: World) -> str:
     return ""
 
 
-def record_failure(records: Path, exit_code: int, error: str, status: str = FAILED) -> None:
-    """failure.yaml: how the run ended (`status`, unless it ran out of memory: the cure differs)."""
-    write_yaml(records / FAILURE_YAML, {"status": failure_outcome(error, status), "exit_code": exit_code,
-                                       "error": error})
+def record_failure(records: Path, exit_code: int, error: str, status: str = FAILED) -> str:
+    """failure.yaml: how the run ended (`status`, unless it ran out of memory: the cure differs).
+    Returns what the run's line adds when even that cannot be written (a full disk), else ""."""
+    try:
+        write_yaml(records / FAILURE_YAML, {"status": failure_outcome(error, status), "exit_code": exit_code,
+                                           "error": error})
+    except OSError as problem:
+        return f"; {records / FAILURE_YAML} could not be written either ({problem.strerror})"
+    return ""
 
 
 def read_plan(records: Path) -> Plan:
@@ -334,7 +386,6 @@ def git_commit() -> str:
 
 
 def write_yaml(path: Path, data: Any) -> None:
-    """Write atomically: a reader never sees half a file, and a crash leaves the old one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)
+    """Write atomically: a reader never sees half a file, a crash leaves the old one, and a failed
+    write (a full disk) leaves no temporary file."""
+    write_atomically(path, yaml.safe_dump(data, sort_keys=False).encode())

@@ -1,0 +1,207 @@
+"""Checkpoints written whole or not at all, and verified before they are used.
+
+A checkpoint file is written to a temporary name in its own directory, flushed and fsynced, renamed
+into place (`os.replace`: atomic within one directory on a local POSIX filesystem and NFS), and
+the directory fsynced. A checkpoint directory (torch's distributed checkpoint: sharding stages 2/3,
+the pipeline) is written whole into a temporary directory beside it, then renamed into place
+(`commit_directory`; plugins/directory_checkpoint.py). Then its manifest, `<name>.manifest.json`
+beside it (each file's size and sha256, the step), is written the same way: the manifest is the
+commit point. A reader verifies the bytes against it (`verify`); a checkpoint without one was not
+written by lightfleet and is only read as it is. runner/rank/checkpoint_io.py writes files through
+here; the command's preflight verifies.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+MANIFEST_SUFFIX = ".manifest.json"
+_TMP_SUFFIX = ".lightfleet-tmp"  # removed at the next start (remove_leftovers)
+_OLD_SUFFIX = ".lightfleet-old"  # a directory replaced, until its successor is in place
+_CHUNK = 1 << 20
+
+
+class CheckpointNotWritten(Exception):
+    """A checkpoint that could not be written (a full disk): its message is the run's one line,
+    with no traceback (the log may be on the same full disk)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `verify` found: `problem` None when the bytes are the manifest's (or there is no manifest)."""
+
+    manifest: Optional[dict]
+    problem: Optional[str] = None
+
+
+def manifest_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + MANIFEST_SUFFIX)
+
+
+def temporary(path: Path, suffix: str = _TMP_SUFFIX) -> Path:
+    """Where `path` is written before it is renamed into place, named by its writer (remove_leftovers)."""
+    return path.with_name(f".{path.name}~{socket.gethostname()}~{os.getpid()}{suffix}")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` into `path`, whole or not at all: nothing under `path`'s name changes unless all of
+    it reached the disk; a failed write removes its temporary file."""
+    tmp = temporary(path)
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)  # the rename itself survives a crash of the machine
+
+
+def fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def save(path: Path, data: bytes, step: int) -> None:
+    """A checkpoint's bytes at `path`, then its manifest, the commit point. The previous manifest
+    goes first: a crash between the two leaves a file without one, read as unverified, never a
+    manifest that does not match its file."""
+    manifest_path(path).unlink(missing_ok=True)
+    with ThreadPoolExecutor(1) as hasher:  # the digest while the bytes are written and fsynced: both free the GIL
+        digest = hasher.submit(lambda: hashlib.sha256(data).hexdigest())
+        write_atomically(path, data)
+    manifest = {"file": path.name, "bytes": len(data), "sha256": digest.result(), "step": step}
+    write_atomically(manifest_path(path), json.dumps(manifest, indent=1).encode())
+
+
+def commit_directory(written: Path, path: Path, step: int) -> None:
+    """Put the checkpoint directory `written` (whole: every rank wrote its files) in place as
+    `path`, then its manifest. A directory cannot replace another in one rename: the old one is
+    moved aside first and removed once the new one is in place."""
+    files = {str(file.relative_to(written)): {"bytes": file.stat().st_size, "sha256": file_digest(file)}
+             for file in sorted(written.rglob("*")) if file.is_file()}
+    manifest_path(path).unlink(missing_ok=True)
+    aside = temporary(path, _OLD_SUFFIX)
+    if path.exists():
+        os.replace(path, aside)
+    os.replace(written, path)
+    fsync_directory(path.parent)
+    _remove_path(aside)
+    write_atomically(manifest_path(path), json.dumps({"files": files, "step": step}, indent=1).encode())
+
+
+def remove(path: Path) -> None:
+    """A checkpoint and its manifest, the manifest first (see `save`)."""
+    manifest_path(path).unlink(missing_ok=True)
+    _remove_path(path)
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def read_manifest(checkpoint: Path) -> Optional[dict]:
+    try:
+        return json.loads(manifest_path(checkpoint).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def file_digest(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as stored:
+        while chunk := stored.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(checkpoint: Path) -> Verdict:
+    """Whether a checkpoint (a file, or a directory's files) holds the bytes its manifest says."""
+    manifest = read_manifest(checkpoint) if checkpoint.exists() else None
+    if manifest is None:
+        return Verdict(None)
+    expected = manifest["files"] if "files" in manifest else {"": manifest}  # a directory's, or the file's
+    for name, wanted in expected.items():
+        file = checkpoint / name if name else checkpoint
+        if not file.is_file():
+            return Verdict(manifest, f"is incomplete: its file {name} is missing")
+        size = file.stat().st_size
+        if size != wanted["bytes"]:
+            return Verdict(manifest, f"is truncated: {f'its file {name} has ' if name else ''}{size:,} bytes of the "
+                                     f"{wanted['bytes']:,} its manifest says")
+        if file_digest(file) != wanted["sha256"]:
+            return Verdict(manifest, f"is damaged: {f'the bytes of its file {name}' if name else 'its bytes'} differ "
+                                     f"from those its manifest's sha256 was taken of")
+    return Verdict(manifest)
+
+
+def intact(directory: Path) -> Iterator[Path]:
+    """The verified checkpoints in `directory` (those with a manifest), newest step first."""
+    made = [(manifest, path) for path in directory.glob("*.ckpt") if (manifest := read_manifest(path)) is not None]
+    for _, path in sorted(made, key=lambda item: (item[0]["step"], item[1].stat().st_mtime), reverse=True):
+        if verify(path).problem is None:
+            yield path
+
+
+def newest_intact(directory: Path, besides: Optional[Path] = None) -> Optional[Path]:
+    """The newest intact checkpoint in `directory` other than `besides`."""
+    return next((path for path in intact(directory) if path != besides), None)
+
+
+def remove_leftovers(directory: Path) -> List[Path]:
+    """Remove the temporary files and directories of writes a crash interrupted in `directory`
+    (this machine's, of processes no longer alive: another's may be writing now)."""
+    host = socket.gethostname()
+    removed = []
+    for tmp in directory.glob(f".*{_TMP_SUFFIX}"):
+        _, writer_host, pid = (tmp.name.removesuffix(_TMP_SUFFIX).rsplit("~", 2) + ["", ""])[:3]
+        if writer_host == host and pid.isdigit() and not _alive(int(pid)):
+            _remove_path(tmp)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        pass
+    return True
+
+
+def full_disk_line(path: Path, needed: int) -> str:
+    """What a full disk stopped: the checkpoint, the space it needed (this process's part of it,
+    for a directory every rank writes into), and the checkpoint that stands."""
+    free = shutil.disk_usage(path.parent).free
+    standing = newest_intact(path.parent)
+    stands = (f"the checkpoint that stands is {standing} (step {read_manifest(standing)['step']})"
+              if standing else "no checkpoint of this run stands")
+    return f"no space left on device for checkpoint {path}: it needs {needed:,} bytes, {free:,} are free; {stands}"
+
+
+def is_full_disk(error: BaseException) -> bool:
+    """Whether `error`, or one it was raised from (torch's distributed checkpoint wraps each rank's), is a full disk."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) or \
+                os.strerror(errno.ENOSPC) in str(error):  # torch's CheckpointException holds the ranks' as text
+            return True
+        error = error.__cause__ or error.__context__
+    return False
