@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from runner.rank.parent import DIVERGED_EXIT
+from runner.records import checkpoints
 from runner.records.jobs import collect_jobs
 
 pytestmark = pytest.mark.slow  # every test here trains in processes of its own
@@ -59,7 +60,9 @@ def test_a_loss_gone_nan_after_a_checkpoint_keeps_the_good_last_checkpoint(light
     checkpoint = torch.load(last, map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == good
     assert all(torch.isfinite(tensor).all() for tensor in checkpoint["state_dict"].values())
-    assert sorted(path.name for path in last.parent.iterdir()) == [f"epoch=0-step={good}.ckpt", "last.ckpt"]
+    assert sorted(path.name for path in last.parent.iterdir()) == [
+        f"epoch=0-step={good}.ckpt", f"epoch=0-step={good}.ckpt.manifest.json", "last.ckpt", "last.ckpt.manifest.json"]
+    assert checkpoints.verify(last).problem is None
     assert yaml.safe_load((tmp_path / "run" / "failure.yaml").read_text())["status"] == "diverged"
 
 

@@ -392,14 +392,14 @@ def resume_sweep(sweep_dir: Path, overrides: List[str]) -> int:
     if overrides:
         raise ConfigError("lightfleet resume", overrides[0], "a sweep continues as its command line planned "
                           "it: give only SWEEP_DIR")
-    take_over("lightfleet resume", sweep_dir)
     os.chdir(record["cwd"])  # the command line's relative paths are from there
     user_code_last(record["cwd"])
     parsed, parser, config_name = parse(record["command"])
-    (sweep_dir / SWEEP_STOPPED).unlink(missing_ok=True)
     cfg = preflight.compose(parsed.overrides, parsed.config_dir, config_name, multirun=True)
     if cfg.hydra.sweeper._target_ != BASIC_SWEEPER:
         refuse_study(sweep_dir, cfg)
+    take_over("lightfleet resume", sweep_dir)
+    (sweep_dir / SWEEP_STOPPED).unlink(missing_ok=True)
     jobs = list(enumerate(expand_sweep(parsed.overrides, parsed.config_dir)))
     planned = [(number, preflight.job_overrides(job)) for number, job in jobs]
     states = sweep_jobs(sweep_dir, planned)

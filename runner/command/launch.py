@@ -33,7 +33,7 @@ from runner.command.console import progress_in_place, to_log_files
 from runner.core.errors import ConfigError, exit_on_user_error
 from runner.core.paths import python_module, user_code_last
 from runner.config.schema import TrainerConfig
-from runner.rank.parent import COMMAND_PID
+from runner.rank.parent import COMMAND_PID, handling_stop_signals
 from runner.records.files import CONFIG_YAML, LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
 from runner.records.run_dir import read_plan
 from runner.core.world import World, launched_externally
@@ -102,17 +102,13 @@ def stopping_at_once() -> Iterator[None]:
     """A preemption signal or Ctrl-C stops the run at once, as Preempted without a step, until
     training takes them over (runner/rank/preemption.py: a checkpoint at an agreed step) or torch's
     elastic agent does (it passes them on to the ranks); the handlers before are restored after."""
-    from runner.rank.preemption import SIGNALS, Preempted
+    from runner.rank.preemption import Preempted
 
     def stop(signum: int, _frame: object) -> None:
         raise Preempted(signum)
 
-    before = {signum: signal.signal(signum, stop) for signum in SIGNALS}
-    try:
+    with handling_stop_signals(stop):
         yield
-    finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
 
 
 def run(records: Path, world: World) -> None:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set
 
-from runner.rank.parent import SIGNALS
+from runner.rank.parent import SIGNALS, handling_stop_signals
 from runner.records.files import ATTEMPTS_DIR, SWEEP_STOPPED, WORKERS_DIR
 
 SWEEP_COMMAND = "LIGHTFLEET_SWEEP_COMMAND"  # set by a sweep's command for its jobs: its process id
@@ -63,12 +63,10 @@ def passing_signals_on(sweep_dir: Path) -> Iterator[None]:
                     pass
 
     os.environ[SWEEP_COMMAND] = str(os.getpid())
-    before = {signum: signal.signal(signum, pass_on) for signum in SIGNALS}
     try:
-        yield
+        with handling_stop_signals(pass_on):
+            yield
     finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
         del os.environ[SWEEP_COMMAND]
 
 

@@ -125,3 +125,14 @@ def check_multi_node(world: World) -> None:
         if missing:
             raise ConfigError("trainer.num_nodes", world.num_nodes,
                               f"needs {', '.join(MULTI_NODE_VARS)} set on every node (missing: {', '.join(missing)})")
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True

@@ -13,6 +13,8 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 COMMAND_PID = "LIGHTFLEET_RANK_OF"  # set by the command for its ranks: its process id
 PREEMPTED = 143  # the exit status of a run stopped by SIGTERM or SIGUSR1: 128 + SIGTERM, as a scheduler expects
@@ -22,6 +24,17 @@ DIVERGED_EXIT = 3  # the exit status of a run stopped by a non-finite loss or pa
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # what stops a run: a preemption, SLURM's warning, Ctrl-C
 ORPHAN_GRACE_S = 20.0  # after the command's death, the time a rank has to checkpoint before it leaves
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@contextmanager
+def handling_stop_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """`handler` for every signal that stops a run (SIGNALS), the handlers before restored after."""
+    before = {signum: signal.signal(signum, handler) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, previous in before.items():
+            signal.signal(signum, previous)
 
 
 def exit_status(signum: int) -> int:

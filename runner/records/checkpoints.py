@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+from runner.core.world import alive
+
 MANIFEST_SUFFIX = ".manifest.json"
 _TMP_SUFFIX = ".lightfleet-tmp"  # removed at the next start (remove_leftovers)
 _OLD_SUFFIX = ".lightfleet-old"  # a directory replaced, until its successor is in place
@@ -171,20 +173,10 @@ def remove_leftovers(directory: Path) -> List[Path]:
     removed = []
     for tmp in directory.glob(f".*{_TMP_SUFFIX}"):
         _, writer_host, pid = (tmp.name.removesuffix(_TMP_SUFFIX).rsplit("~", 2) + ["", ""])[:3]
-        if writer_host == host and pid.isdigit() and not _alive(int(pid)):
+        if writer_host == host and pid.isdigit() and not alive(int(pid)):
             _remove_path(tmp)
             removed.append(tmp)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        pass
-    return True
 
 
 def full_disk_line(path: Path, needed: int) -> str:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.core.paths import CHECKOUT
 from runner.core.errors import ConfigError, error_line, first_line, require
 from runner.core.plan import Plan, format_plan
-from runner.core.world import World, external_rank, launched_externally
+from runner.core.world import World, alive, external_rank, launched_externally
 from runner.records.checkpoints import (manifest_path, newest_intact, read_manifest, remove_leftovers, verify,
                                         write_atomically)
 from runner.records.files import (CONFIG_YAML, ENV_YAML, FAILED, FAILURE_YAML, LAST_CHECKPOINT, MULTIRUN_YAML,
@@ -122,17 +122,6 @@ def held_by(owner_file: Path, wait_s: float = 2.0) -> str:
         return (f"is held by another command ({holder}), which is no longer running and recorded no run or sweep "
                 f"there; choose another directory, or remove {owner_file} to use this one")
     return f"is held by another command ({holder}); choose another directory"
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` of this host runs."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
 
 
 def pause_for_tests() -> None:
