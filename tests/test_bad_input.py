@@ -8,6 +8,7 @@ which only a real run checks, are refused before anything starts."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import typing
 from dataclasses import fields
@@ -208,3 +209,13 @@ def test_documented_forms_are_taken_as_typed_or_told_how_to_write_them(overrides
     input '='`); a key the config leaves out says that `+` adds it."""
     line = refusal([*overrides, "dry_run=true"], tmp_path, monkeypatch, capsys)
     assert line == "lightfleet: error: " + message.format(tmp=tmp_path)
+
+
+def test_an_optuna_storage_the_installed_optuna_cannot_open_is_one_line(tmp_path, monkeypatch, capsys):
+    # optuna 2.10 (hydra-optuna-sweeper 1.3's) on SQLAlchemy 2 (constraints.txt) fails its schema check
+    # with a bare AssertionError: refused before the sweep, with the versions, and no database left.
+    line = refusal(["-m", "hydra/sweeper=optuna", "hydra.sweeper.storage=sqlite:///study.db",
+                    "model.hidden_dim=choice(16,32)", "hydra.sweep.dir=sweep"], tmp_path, monkeypatch, capsys)
+    assert re.fullmatch(r"lightfleet: error: hydra.sweeper.storage='sqlite:///study.db': optuna [\d.]+ cannot open "
+                        r"it with SQLAlchemy [\d.]+ \(AssertionError\); leave it unset for a study in memory", line)
+    assert list(tmp_path.iterdir()) == []

@@ -262,6 +262,7 @@ def check_sweep(overrides: List[str], config_dir: Optional[str],
 
     cfg = preflight.compose(overrides, config_dir, config_name, multirun=True)
     if cfg.hydra.sweeper._target_ != BASIC_SWEEPER:
+        check_study_storage(cfg.hydra.sweeper.get("storage"))
         flights, planned = [(0, overrides, preflight.check_job(cfg))], []
     else:
         planned = list(enumerate(expand_sweep(overrides, config_dir)))
@@ -346,6 +347,33 @@ def summarize_sweep(sweep_dir: Path, planned: "Planned") -> int:
               f"continue with: lightfleet resume {sweep_dir}", file=sys.stderr)
         return exit_status(signum)
     return 1 if any(job["status"] not in (FINISHED, REFUSED) for job in jobs.values()) else 0
+
+
+def check_study_storage(storage: Optional[str]) -> None:
+    """An Optuna study's storage (`hydra.sweeper.storage`, a database URL) opened as the sweeper
+    will open it, so that one the installed optuna cannot use is one line before the sweep starts,
+    not a traceback (optuna 2.10, the version hydra-optuna-sweeper 1.3 takes, fails its schema
+    check on SQLAlchemy 2 with a bare AssertionError). The SQLite files it made are removed again."""
+    if not storage:
+        return
+    from optuna.storages import get_storage
+
+    database = Path(storage.removeprefix("sqlite:///")) if storage.startswith("sqlite:///") else None
+    files = [database.with_name(database.name + suffix) for suffix in ("", "-journal", "-wal")] if database else []
+    made = [] if not files or files[0].exists() else files  # a database opening it creates: removed again
+    try:
+        get_storage(storage)
+    except Exception as error:  # noqa: BLE001 (whatever the database driver or optuna raises)
+        import optuna
+        import sqlalchemy
+
+        reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise ConfigError("hydra.sweeper.storage", storage, f"optuna {optuna.__version__} cannot open it with "
+                          f"SQLAlchemy {sqlalchemy.__version__} ({reason}); leave it unset for a study in "
+                          f"memory") from None
+    finally:
+        for file in made:
+            file.unlink(missing_ok=True)
 
 
 def refuse_study(sweep_dir: Path, cfg: "DictConfig") -> NoReturn:
