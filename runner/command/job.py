@@ -247,9 +247,11 @@ def killed_by(signum: int) -> str:
 
 def failed(records: Path, run_dir: Path, failure: Any, codes: Dict[int, int]) -> int:
     """Say why ranks failed (torch's ChildFailedError `failure`), record it, and return the exit status.
-    A rank killed by a signal is named first: the others then fail on their lost peer."""
-    killed = [(rank, code) for rank, code in codes.items() if code < 0]
-    if killed:
+    A rank killed by a signal is named first: the others then fail on their lost peer. One the agent
+    stopped (SIGTERM) is named only when no rank failed of itself: it was stopped because of that one."""
+    killed = sorted(((rank, code) for rank, code in codes.items() if code < 0),
+                    key=lambda killing: killing[1] == -signal.SIGTERM)
+    if killed and not (killed[0][1] == -signal.SIGTERM and any(code > 0 for code in codes.values())):
         rank, code = killed[0]
         reason = killed_by(-code)
     else:
