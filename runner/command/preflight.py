@@ -110,10 +110,10 @@ def table(flight: Flight) -> None:
 
 def plan(flight: Flight) -> None:
     from runner.command.planning import plan_for
-    from runner.config.checks import check_validation_interval
+    from runner.config.checks import check_epoch
 
     flight.plan = plan_for(flight.spec)
-    check_validation_interval(flight.spec, flight.plan.data_parallel_size)
+    check_epoch(flight.spec, flight.plan)
     flight.plan.notes[:0] = flight.notes  # first, as the selection is the plan's first line
 
 
@@ -252,9 +252,9 @@ STAGES = (
     Stage("plan", "the strategies' contributions combined: one claim per exclusive slot, trainer arguments "
           "against the user's, degrees against the world size, the collective knobs against the trainer, "
           "pipeline schedules against the backend and gradient clipping, the fast path against the strategies "
-          "(compile, the fused optimizer) and the device (the attention kernel); a count in "
-          "trainer.val_check_interval against the training batches each data-parallel process reads per epoch, "
-          "where the data's config says how many (the built-in synthetic data)", plan),
+          "(compile, the fused optimizer) and the device (the attention kernel); where the data's config says "
+          "its size (the built-in synthetic data), an epoch of at least one global batch and a count in "
+          "trainer.val_check_interval within an epoch's optimizer steps", plan),
     Stage("world and devices", "multi-node rendezvous variables; the accelerator and devices this machine "
           "has (GPU count and ids, device ids on CPU)", world_and_devices),
     Stage("targets and the model on the meta device", "the model and the data are a LightningModule and a "

@@ -89,29 +89,38 @@ def apply_cross_field_rules(spec: RunSpec) -> None:
             "lightfleet eval RUN strategy.pipeline=null trainer.devices=1 ckpt_path=model.pt")
 
 
-def check_validation_interval(spec: RunSpec, data_parallel_size: Optional[int]) -> None:
-    """A count in trainer.val_check_interval counts training batches within an epoch (unless
-    trainer.check_val_every_n_epoch=null counts them across epochs), and Lightning refuses one
-    above the batches each process reads per epoch, in every rank once the ranks have started.
-    Refused here where the data's config says how many that is: the built-in synthetic data's
-    num_train samples, shared out over the data-parallel processes (as DistributedSampler does,
-    the last share padded), in batches of batch_size (the last one short)."""
-    trainer, data = spec.trainer, spec.cfg.data
-    interval, num_train, batch_size = trainer.val_check_interval, data.get("num_train"), spec.batch_size
+def check_epoch(spec: RunSpec, plan: Any) -> None:
+    """An epoch of the built-in synthetic data (whose config says its num_train samples) is
+    num_train // G optimizer steps, in global batches of G = data-parallel processes x
+    data.batch_size x accumulation (runner/data/order.py: the samples short of a whole global
+    batch sit the epoch out). Refused here, before the ranks start: data too small for one global
+    batch (an empty epoch), and a count in trainer.val_check_interval (optimizer steps within an
+    epoch, unless trainer.check_val_every_n_epoch=null counts them across epochs) above an epoch's,
+    which Lightning refuses in every rank."""
+    trainer, data, batch_size = spec.trainer, spec.cfg.data, spec.batch_size
+    num_train, processes = data.get("num_train"), plan.data_parallel_size
+    if not (str(data.get("_target_")).startswith("runner.data.") and isinstance(num_train, int)
+            and bool(batch_size) and bool(processes)):
+        return
+    claimed = plan.trainer_args.get("accumulate_grad_batches")
+    accumulation = claimed["value"] if claimed else trainer.accumulate_grad_batches
+    global_batch = processes * batch_size * accumulation
+    shape = (f"global batches of {global_batch} = {processes} data-parallel process(es) x data.batch_size={batch_size} "
+             f"x {accumulation} accumulated")
+    steps = num_train // global_batch
+    require(steps >= 1, "data.num_train", num_train, f"fewer samples than one of the epoch's {shape}: at least "
+            f"{global_batch}, or a smaller data.batch_size")
+    interval = trainer.val_check_interval
     within_epochs = (isinstance(interval, int) and not isinstance(interval, bool)
                      and trainer.check_val_every_n_epoch is not None and trainer.limit_val_batches not in (0, 0.0)
                      and not trainer.overfit_batches and not trainer.fast_dev_run)
-    epoch_known = (str(data.get("_target_")).startswith("runner.data.") and isinstance(num_train, int)
-                   and bool(batch_size) and bool(data_parallel_size))
-    if not (within_epochs and epoch_known):
+    if not within_epochs:
         return
-    batches = math.ceil(math.ceil(num_train / data_parallel_size) / batch_size)
     limit = trainer.limit_train_batches
-    epoch = batches if limit is None else min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    epoch = steps if limit is None else min(steps, limit) if isinstance(limit, int) else int(steps * limit)
     require(interval <= epoch, "trainer.val_check_interval", interval,
-            f"more than the {epoch} training batches each of the {data_parallel_size} data-parallel process(es) "
-            f"reads per epoch (data.num_train={num_train} in batches of data.batch_size={batch_size}): at most "
-            f"{epoch}, or trainer.check_val_every_n_epoch=null to count batches across epochs")
+            f"more than the {epoch} optimizer steps of an epoch (data.num_train={num_train} in {shape}): at most "
+            f"{epoch}, or trainer.check_val_every_n_epoch=null to count steps across epochs")
 
 
 def require_finite(key: str, node: Any) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 
 # The package's names and the module each lives in.
 HOMES = {
-    "EpochAtFirstDraw": "order",
+    "GlobalOrder": "order",
+    "global_order": "order",
     "run_seed": "order",
     "replicas": "order",
     "CLASS_SIGNAL": "synthetic",

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from runner.config.values import check_values
 from runner.data.loading import stateful_loader
-from runner.data.order import EpochAtFirstDraw, replicas, run_seed
+from runner.data.order import GlobalOrder, run_seed
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -50,8 +50,8 @@ class SeededSamples(Dataset):
         return samples
 
 
-class SeededOrder(EpochAtFirstDraw):
-    """The epoch's order of this rank's indices (EpochAtFirstDraw), each with the seed of its
+class SeededOrder(GlobalOrder):
+    """This rank's indices of the epoch's global order (GlobalOrder), each with the seed of its
     random transforms: a function of (run seed, epoch, index) alone."""
 
     @override
@@ -123,9 +123,8 @@ class ImageFolderData(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        # As the synthetic data's (runner/data/synthetic.py): the epoch is set here for a run resumed mid-epoch.
-        sampler = SeededOrder(self.splits["train"], shuffle=True, seed=run_seed(), **replicas(self.trainer))
-        sampler.set_epoch(self.trainer.current_epoch if self.trainer else 0)
+        # The global order (runner/data/order.py): the same global batches on any number of processes.
+        sampler = SeededOrder(self.splits["train"], batch_size=self.batch_size, seed=run_seed(), trainer=self.trainer)
         return self._loader(SeededSamples(self.splits["train"]), sampler=sampler)
 
     @override

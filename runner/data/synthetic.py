@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from runner.config.values import check_values
 from runner.data.loading import Workers, check_workers, stateful_loader
-from runner.data.order import EpochAtFirstDraw, replicas, run_seed
+from runner.data.order import global_order
 
 
 # Scale of the class prototypes against the unit noise: an MLP passes 90% accuracy within
@@ -54,15 +54,9 @@ class SplitData(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        # Resumable bit for bit: the loader is stateful (a checkpoint holds the position in the
-        # epoch), and the order comes from the sampler's own generator seeded by (the run's seed,
-        # epoch) as Lightning's DistributedSampler is, never from the global RNG. It is one in a
-        # single process too (one replica); given one, Lightning does not wrap it. Lightning sets
-        # the epoch at each epoch's start, but a run resumed mid-epoch skips to its position
-        # before that: set it here.
-        sampler = EpochAtFirstDraw(self.train_set, shuffle=True, seed=run_seed(), **replicas(self.trainer))
-        sampler.set_epoch(self.trainer.current_epoch if self.trainer else 0)
-        return self._loader(self.train_set, sampler=sampler)
+        # Resumable bit for bit, on any number of processes: lightfleet's global order
+        # (runner/data/order.py), from (the run's seed, the epoch) alone, never the global RNG.
+        return self._loader(self.train_set, sampler=global_order(self.trainer, self.train_set, self.batch_size))
 
     @override
     def val_dataloader(self) -> DataLoader:

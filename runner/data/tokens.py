@@ -7,9 +7,10 @@ when data.vocab_size and data.dtype are not set, and refuses a data.dtype that d
 A sample is a window of seq_len + 1 tokens; batches are `(tokens[:, :-1], tokens[:, 1:])`, as the
 built-in language-model data's. Training windows are `random` (nanoGPT's: any start, drawn anew
 every epoch) or `sequential` (the file cut into consecutive windows, shuffled every epoch);
-validation and test windows are consecutive, in order. Both orders come from (the run's seed,
-the epoch) and are split over the data-parallel ranks, so a run resumed mid-epoch continues
-with the window it would have drawn next.
+validation and test windows are consecutive, in order, split over the data-parallel ranks. The
+training windows come from (the run's seed, the epoch) in lightfleet's global order
+(runner/data/order.py): a run resumed mid-epoch, on any number of processes, continues with the
+global batch it would have drawn next.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing_extensions import override
 
 from runner.config.values import check_values
 from runner.data.loading import stateful_loader
-from runner.data.order import replicas, run_seed
+from runner.data.order import GlobalOrder, replicas, run_seed
 from runner.data.prepare import DTYPES, META_YAML
 
 WINDOWS = ("random", "sequential")
@@ -114,29 +115,51 @@ class TokenFile(TokenWindows):
         return {**self.__dict__, "_tokens": None}  # workers open their own memmap
 
 
-class WindowStarts(DistributedSampler):
-    """This rank's window starts of one epoch, drawn when the first is (a resumed run's loader is
-    made before Lightning sets the epoch): `random` draws `samples` starts anywhere, `sequential`
-    cuts the file into consecutive windows, shuffled or in order. Every rank draws the same
-    epoch's list from (seed, epoch) and takes every num_replicas-th from its rank on; the list is
-    cut to a multiple of num_replicas, so every rank has as many batches."""
+def window_starts(data: TokenWindows, windows: str, count: int, shuffle: bool, generator: torch.Generator) -> torch.Tensor:
+    """An epoch's `count` window starts, drawn from `generator` alone: `random` anywhere,
+    `sequential` the file cut into consecutive windows, shuffled or in order."""
+    if windows == "random":
+        return torch.randint(len(data), (count,), generator=generator)
+    order = torch.randperm(count, generator=generator) if shuffle else torch.arange(count)
+    return order * (data.seq_len + 1)
 
-    def __init__(self, data: TokenWindows, windows: str, samples: int, shuffle: bool, seed: int, num_replicas: int,
-                 rank: int) -> None:
-        super().__init__(data, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.windows = windows
-        consecutive = data.num_tokens // (data.seq_len + 1) if windows == "sequential" else samples
-        self.num_samples = consecutive // num_replicas
+
+def windows_per_epoch(data: TokenWindows, windows: str, samples: int) -> int:
+    """How many windows an epoch draws: `samples` random ones, or every consecutive one."""
+    return data.num_tokens // (data.seq_len + 1) if windows == "sequential" else samples
+
+
+class TrainingWindows(GlobalOrder):
+    """This rank's window starts of a training epoch: the epoch's starts (window_starts) in
+    lightfleet's global order, the same global batches on any number of processes."""
+
+    def __init__(self, data: TokenWindows, windows: str, samples: int, *, batch_size: int, seed: int,
+                 trainer: Optional[pl.Trainer]) -> None:
+        self.windows, self.samples = windows, samples
+        super().__init__(data, batch_size=batch_size, seed=seed, trainer=trainer)
+
+    @override
+    def order_length(self) -> int:
+        return windows_per_epoch(self.dataset, self.windows, self.samples)
+
+    @override
+    def epoch_order(self, generator: torch.Generator) -> torch.Tensor:
+        return window_starts(self.dataset, self.windows, self.order_length(), True, generator)
+
+
+class EvaluationWindows(DistributedSampler):
+    """This rank's consecutive windows of a validation or test split, in order: every
+    num_replicas-th from its rank on, the windows cut to a multiple of num_replicas so that every
+    rank has as many batches."""
+
+    def __init__(self, data: TokenWindows, num_replicas: int, rank: int) -> None:
+        super().__init__(data, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=True)
+        self.num_samples = windows_per_epoch(data, "sequential", 0) // num_replicas
         self.total_size = self.num_samples * num_replicas
 
     @override
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        if self.windows == "random":
-            starts = torch.randint(len(self.dataset), (self.total_size,), generator=generator)
-        else:
-            order = torch.randperm(self.total_size, generator=generator) if self.shuffle else torch.arange(self.total_size)
-            starts = order * (self.dataset.seq_len + 1)
+        starts = window_starts(self.dataset, "sequential", self.total_size, False, torch.Generator())
         yield from starts[self.rank :: self.num_replicas].tolist()
 
     @override
@@ -145,7 +168,7 @@ class WindowStarts(DistributedSampler):
 
 
 class TokenWindowData(pl.LightningDataModule):
-    """Splits of token ids served as windows of seq_len + 1 tokens in WindowStarts' order: training
+    """Splits of token ids served as windows of seq_len + 1 tokens in lightfleet's global order: training
     `windows` of the train split; validation and test windows consecutive, in order. The base of
     data=tokens (token files) and data=hf_text (tokens in memory)."""
 
@@ -167,27 +190,29 @@ class TokenWindowData(pl.LightningDataModule):
         """Tokens a sample trains on: the run measures tokens/s from it."""
         return self.seq_len
 
-    def _loader(self, data: TokenWindows, windows: str, shuffle: bool, epoch: int) -> DataLoader:
-        sampler = WindowStarts(data, windows, self.samples_per_epoch, shuffle, run_seed(), **replicas(self.trainer))
-        sampler.set_epoch(epoch)
+    def _loader(self, data: TokenWindows, sampler: DistributedSampler) -> DataLoader:
         return stateful_loader(data, self.trainer, batch_size=self.batch_size, sampler=sampler,
                                num_workers=self.num_workers, pin_memory=self.pin_memory)
 
+    def _evaluation_loader(self, data: TokenWindows) -> DataLoader:
+        return self._loader(data, EvaluationWindows(data, **replicas(self.trainer)))
+
     @override
     def train_dataloader(self) -> DataLoader:
-        epoch = self.trainer.current_epoch if self.trainer else 0  # set here too: a run resumed mid-epoch
-        return self._loader(self.windows_of("train"), self.windows, shuffle=True, epoch=epoch)
+        train = self.windows_of("train")
+        return self._loader(train, TrainingWindows(train, self.windows, self.samples_per_epoch,
+                                                   batch_size=self.batch_size, seed=run_seed(), trainer=self.trainer))
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.windows_of("val"), "sequential", shuffle=False, epoch=0)
+        return self._evaluation_loader(self.windows_of("val"))
 
     @override
     def test_dataloader(self) -> DataLoader:
         test = self.windows_of("test")
         if test is None:
             raise ValueError(f"{self.TEST_KNOB}=None: the test stage needs a test split (data.{self.TEST_KNOB})")
-        return self._loader(test, "sequential", shuffle=False, epoch=0)
+        return self._evaluation_loader(test)
 
 
 class TokenFileData(TokenWindowData):

@@ -84,6 +84,7 @@ def build(cfg: DictConfig, plan: Plan, run_dir: Path) -> Built:
     trainer_args = {**{arg: value for arg, value in OmegaConf.to_container(cfg.trainer, resolve=True).items()
                        if arg not in LIGHTFLEET_TRAINER_KNOBS},
                     **{arg: claim["value"] for arg, claim in plan.trainer_args.items()}}
+    counted_in_steps(trainer_args)
     plugins: List[Any] = []
     if plan.precision is not None:
         precision = plan.precision.component
@@ -98,6 +99,21 @@ def build(cfg: DictConfig, plan: Plan, run_dir: Path) -> Built:
                          logger=loggers(cfg), default_root_dir=str(run_dir))
     meter = next((callback for callback in callbacks if isinstance(callback, RunMeter)), None)
     return Built(trainer, model, datamodule, meter)
+
+
+STEP_COUNTS = ("val_check_interval", "limit_train_batches")  # counts of optimizer steps in lightfleet's config
+
+
+def counted_in_steps(trainer_args: Dict[str, Any]) -> None:
+    """lightfleet counts trainer.val_check_interval and trainer.limit_train_batches in optimizer
+    steps, which keep their meaning when a resume on another number of processes changes the
+    accumulation; Lightning counts batches: a count is multiplied by the accumulation (a fraction
+    of the epoch stays as it is)."""
+    accumulation = trainer_args.get("accumulate_grad_batches", 1)
+    for name in STEP_COUNTS:
+        count = trainer_args.get(name)
+        if isinstance(count, int) and not isinstance(count, bool):
+            trainer_args[name] = count * accumulation
 
 
 def load(claim: Claim) -> Any:

@@ -16,12 +16,14 @@ from runner.core.contribution import Component, Contribution
 def runner_callbacks(spec: RunSpec) -> Contribution:
     """The runner's callbacks and checkpoint writer for the run of `spec`."""
     measure = OmegaConf.to_object(spec.cfg.measure)
+    pipeline = spec.strategies.get("pipeline")
+    position = {"pipeline_micro_batches": pipeline.accumulate_steps} if pipeline else {}
     return Contribution(checkpoint_io=Component("runner.rank.checkpoint_io:AtomicCheckpointIO"), callbacks=[
         *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
         Component("runner.rank.measure:LastValidation"),  # the step of the summary's val_loss
         # checkpoints/last.ckpt at a preemption signal; a stop where training stops being finite
         Component("runner.rank.preemption:Preemption", {"stop_on_nonfinite": spec.cfg.stop_on_nonfinite}),
-        Component("runner.rank.resume:RandomStates"), Component("runner.rank.resume:EpochEndPosition"),  # exact resumes
+        Component("runner.rank.resume:RandomStates"), Component("runner.rank.resume:GlobalPosition", position),  # exact resumes
         *([Component("runner.rank.progress:StepsProgressBar")] if shows_own_progress_bar(spec) else [])])
 
 

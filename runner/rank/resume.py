@@ -3,9 +3,9 @@
 State that differs between ranks: only rank 0 writes a checkpoint, but every rank builds it
 (Lightning calls the callbacks' `state_dict` on all of them), so a callback gathers each rank's
 piece into it with `gather` and, on resume, each rank takes its own back with `own`
-(plugins/ranks.py). `RandomStates` keeps every rank's random generators this way; `EpochEndPosition` makes a
-checkpoint taken at an epoch's last batch resume at the next epoch's start
-(docs/reliability.md#resume-bit-for-bit).
+(plugins/ranks.py). `RandomStates` keeps every rank's random generators this way. `GlobalPosition`
+records where a checkpoint stands (its world, global batch and position in the epoch's global
+order), so that it resumes on any number of processes (docs/reliability.md#resume-bit-for-bit).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from typing_extensions import override
 
 from plugins.ranks import gather, own
+from runner.data.order import GlobalOrder, Position
 
 
 class RandomStates(pl.Callback):
@@ -49,13 +50,72 @@ class RandomStates(pl.Callback):
             self._loaded = None
 
 
-class EpochEndPosition(pl.Callback):
-    """A checkpoint taken at an epoch's last batch keeps no data loader position. Lightning
-    resumes it at the next epoch, where the saved position (the end of the data) would make that
-    epoch empty and shift every later one; without it the loader starts the epoch afresh."""
+class GlobalPosition(pl.Callback):
+    """Where a checkpoint stands, for a resume on any number of processes: every checkpoint gets
+    a `lightfleet` record of the world it was written on, its global batch (micro-batch and
+    accumulation) and its position in the epoch as samples of the epoch's global order
+    (runner/data/order.py). On resume, the position goes to the run's GlobalOrder samplers, and
+    Lightning's per-rank batch counters are made those of this run's accumulation, so that the
+    epoch ends, validates and checkpoints at the same optimizer steps as the uninterrupted run.
+
+    A loader of another sampler keeps its own position in Lightning's loop state; this only
+    drops it from a checkpoint taken at an epoch's last batch, which Lightning resumes at the next
+    epoch, where the saved position (the end of the data) would make that epoch empty."""
+
+    def __init__(self, pipeline_micro_batches: int = 1) -> None:
+        self.pipeline_micro_batches = pipeline_micro_batches  # a pipeline cuts each loader batch into this many
+        self.position = Position()
+        self._epoch_start_step = 0
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sampler = train_sampler(trainer)
+        trained = self.position.samples_in(trainer.current_epoch)
+        global_batch = sampler.global_batch if isinstance(sampler, GlobalOrder) else 1
+        self._epoch_start_step = trainer.global_step - trained // global_batch
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: Dict[str, Any]) -> None:
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        sampler = train_sampler(trainer)
+        ordered = isinstance(sampler, GlobalOrder)
+        if ordered or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             checkpoint["loops"]["fit_loop"]["state_dict"].pop("combined_loader", None)
+        replicas = trainer.distributed_sampler_kwargs["num_replicas"] if trainer.distributed_sampler_kwargs else 1
+        loader_batch = getattr(trainer.train_dataloader, "batch_size", None)
+        global_batch = replicas * loader_batch * trainer.accumulate_grad_batches if loader_batch else None
+        micro_batch = loader_batch // self.pipeline_micro_batches if loader_batch else None
+        steps = trainer.global_step - self._epoch_start_step
+        checkpoint[RECORD] = {
+            "world": {"processes": trainer.world_size, "nodes": trainer.num_nodes, "data_parallel": replicas},
+            "batch": {"global": global_batch, "micro": micro_batch,
+                      "accumulation": global_batch // (replicas * micro_batch) if global_batch else None,
+                      "loader": loader_batch, "accumulate_grad_batches": trainer.accumulate_grad_batches},
+            "data": {"order": "global" if ordered else "loader", "epoch": trainer.current_epoch,
+                     "steps_in_epoch": steps, "samples": steps * global_batch if global_batch else None}}
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: Dict[str, Any]) -> None:
+        record = checkpoint.get(RECORD)
+        if record is None:  # written before lightfleet kept one: Lightning's own position stands
+            return
+        data = record["data"]
+        if data["order"] == "global":
+            self.position.epoch, self.position.samples = data["epoch"], data["samples"]
+        # Lightning counts an epoch's batches per rank: the batches of the steps already trained,
+        # at this run's accumulation, so the epoch ends (and validates) where the run's did.
+        accumulated = record["batch"]["accumulate_grad_batches"]
+        shift = data["steps_in_epoch"] * (trainer.accumulate_grad_batches - accumulated)
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        for counters in (progress["total"], progress["current"]):
+            for name in counters:
+                counters[name] += shift
+
+
+RECORD = "lightfleet"  # the checkpoint's key of GlobalPosition's record
+
+
+def train_sampler(trainer: pl.Trainer) -> Any:
+    """The sampler of the run's training loader (None before fit has made it)."""
+    return getattr(trainer.train_dataloader, "sampler", None)

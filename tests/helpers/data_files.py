@@ -44,13 +44,15 @@ def picture_folder(root: Path, per_class: dict, size: int = 32) -> Path:
     return root
 
 
-def on_device(device: str = "cpu", epoch: int = 0, processes: int = 1, precision: str = "32-true") -> SimpleNamespace:
+def on_device(device: str = "cpu", epoch: int = 0, processes: int = 1, precision: str = "32-true",
+              accumulation: int = 1) -> SimpleNamespace:
     """What a data module or a model reads of Lightning's trainer, for a run on `device` in
-    `precision` in `epoch`, `processes` on the node."""
+    `precision` in `epoch`, `processes` on the node, accumulating `accumulation` batches a step."""
     import torch
 
     return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=processes,
-                           current_epoch=epoch, distributed_sampler_kwargs=None, precision=precision)
+                           current_epoch=epoch, distributed_sampler_kwargs=None, precision=precision,
+                           accumulate_grad_batches=accumulation, callbacks=[])
 
 
 END_OF_TEXT = "<|endoftext|>"

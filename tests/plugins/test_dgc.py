@@ -46,7 +46,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from tests.helpers.distributed import AllGatherSpy, AllReduceSpy, save
 from plugins.ddp import FleetDDPStrategy
 from plugins.dgc import DGCCheckpoint, build_hook, replace_optimizer
-from runner.rank.resume import EpochEndPosition
+from runner.rank.resume import GlobalPosition
 from runner.data import SyntheticClassificationData
 from runner.models import MLPClassifier
 
@@ -119,7 +119,7 @@ def run(name, max_steps, hook_knobs, num_train, observe=False, ckpt_path=None, c
                                                weight_decay=WEIGHT_DECAY))
     data = SyntheticClassificationData(num_train=num_train, batch_size=64)
     recorder = Recorder(observe)
-    callbacks = [DGCCheckpoint(), recorder, EpochEndPosition()]  # as lightfleet's runs have
+    callbacks = [DGCCheckpoint(), recorder, GlobalPosition()]  # as lightfleet's runs have
     if checkpoint_dir:
         # Saved after the step (the way Lightning resumes an epoch-end checkpoint, it would run
         # only one batch of the next epoch, and the batches would not match the full run's).

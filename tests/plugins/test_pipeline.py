@@ -43,7 +43,7 @@ from bench.pipeline import SavedActivationBytes
 from tests.helpers.distributed import save
 from plugins.amp import build_precision
 from plugins.pipeline import build_pipeline, split_stages
-from runner.rank.resume import EpochEndPosition
+from runner.rank.resume import GlobalPosition
 from plugins.recompute import apply_recompute
 from plugins.transforms import transform_in_configure_model
 from runner.data import SyntheticClassificationData
@@ -155,7 +155,7 @@ def run(name, schedule, steps, vpp=1, micro=MICRO, accumulate=ACCUMULATE, batch_
         transforms.append((apply_recompute, {"checkpoints": [], "enable_offload": False}))
     transform_in_configure_model(model, transforms)
     recorder = Recorder()
-    callbacks = [recorder, EpochEndPosition()]  # as lightfleet's runs have
+    callbacks = [recorder, GlobalPosition()]  # as lightfleet's runs have
     if checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, every_n_train_steps=steps, save_last=True))
     layout = {"dp_replicate": 1, "dp_shard": replicas, "pp": 2, "tp": 1}

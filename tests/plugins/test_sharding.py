@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from tests.helpers.distributed import save
 from plugins.amp import build_precision
 from plugins.lamb import replace_optimizer
-from runner.rank.resume import EpochEndPosition
+from runner.rank.resume import GlobalPosition
 from plugins.transforms import transform_in_configure_model
 from runner.rank.build import lightning_strategy, model_transforms
 from runner.data import SyntheticClassificationData
@@ -123,7 +123,7 @@ def run(name, plan, max_steps=STEPS, lamb=False, ckpt_path=None, checkpoint_dir=
                                                                exclude_from_weight_decay=EXCLUDED, always_adapt=False)
     probe = Probe()
     REDUCE_SCATTERS.calls, REDUCE_SCATTERS.dtypes = 0, set()
-    callbacks = [probe, EpochEndPosition()]  # as lightfleet's runs have
+    callbacks = [probe, GlobalPosition()]  # as lightfleet's runs have
     if checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=OUT / checkpoint_dir, filename="half", every_n_train_steps=HALF))
     dtypes = set()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from plugins.collective import CollectiveSetup
-from runner.rank.resume import EpochEndPosition, RandomStates
+from runner.rank.resume import GlobalPosition, RandomStates
 from plugins.transforms import transform_in_configure_model
 from runner.command.planning import plan_for
 from runner.data import SyntheticClassificationData
@@ -54,7 +54,7 @@ def test_every_optimizer_is_replaced_and_schedulers_follow(kind, monkeypatch):
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
-LIGHTFLEETS_CALLBACKS = {CollectiveSetup, RunMeter, Preemption, RandomStates, EpochEndPosition}
+LIGHTFLEETS_CALLBACKS = {CollectiveSetup, RunMeter, Preemption, RandomStates, GlobalPosition}
 COLLECTIVE = ["trainer.accelerator=cpu", "trainer.devices=2", "collective.timeout_s=30", "collective.fuse_grad_size_in_MB=8",
               "collective.build_strategy.fuse_all_optimizer_ops=true", "collective.execution_strategy.num_threads=2"]
 

@@ -16,7 +16,7 @@ from runner.core.contribution import Component, Contribution
 from runner.core.errors import ConfigError, Refusal
 from runner.core.paths import EXPERIMENTS_DIR
 from runner.core.plan import AFTER_USER, PHASES, Plan, format_plan, make_plan
-from runner.config.checks import check_validation_interval
+from runner.config.checks import check_epoch
 from runner.config.schema import TrainerConfig
 from runner.strategies.amp import AmpConfig
 from runner.strategies.gradient_merge import GradientMergeConfig
@@ -167,32 +167,32 @@ def test_a_run_of_the_wrong_process_count_names_the_devices_that_fix_it(spec_for
 
 @pytest.mark.parametrize("overrides, largest", [
     (["experiment=quickstart", "trainer.devices=2"], 16),  # 2048 samples, 64 a batch: 16 batches a process
-    (["trainer.devices=4", "data.num_train=100", "data.batch_size=8"], 4),  # 25 samples a process: 3 batches and 1
+    (["trainer.devices=4", "data.num_train=100", "data.batch_size=8"], 3),  # global batches of 32: 3, and 4 left out
     (["trainer.limit_train_batches=10"], 10),
     (["trainer.limit_train_batches=0.5", "trainer.devices=2"], 8),
     (["experiment=gpt_pipeline_1f1b"], 64),  # both processes are one pipeline: one data-parallel reader
 ])
-def test_a_validation_interval_is_at_most_the_batches_each_process_reads_per_epoch(spec_for, overrides, largest):
+def test_a_validation_interval_is_at_most_the_optimizer_steps_of_an_epoch(spec_for, overrides, largest):
     def check(interval: int, *more: str) -> None:
         spec = spec_for(*overrides, f"trainer.val_check_interval={interval}", *more)
-        check_validation_interval(spec, plan_for(spec).data_parallel_size)
+        check_epoch(spec, plan_for(spec))
 
     check(largest)
     with pytest.raises(ConfigError, match=rf"^trainer.val_check_interval={largest + 1}: more than the {largest} "
-                                          rf"training batches .*: at most {largest}, or "):
+                                          rf"optimizer steps .*: at most {largest}, or "):
         check(largest + 1)
     check(largest + 1, "trainer.check_val_every_n_epoch=null")  # counted across epochs
     check(largest + 1, "trainer.limit_val_batches=0")  # no validation
 
 
 @pytest.mark.parametrize("data, num_train, batch_size, devices", [
-    ("classification", 10, 2, 4), ("classification", 7, 2, 3), ("classification", 14, 1, 4),
-    ("classification", 100, 8, 4), ("classification", 2047, 64, 3), ("language_model", 10, 2, 4)])
+    ("classification", 20, 2, 4), ("classification", 13, 2, 3), ("classification", 14, 1, 4),
+    ("classification", 100, 8, 4), ("classification", 2047, 64, 3), ("language_model", 20, 2, 4)])
 @pytest.mark.parametrize("limit", [1.0, 0.75])
 def test_where_the_data_does_not_divide_by_the_processes_an_interval_is_checked_against_what_each_loader_serves(
         spec_for, data, num_train, batch_size, devices, limit):
     """The largest interval allowed is not a formula here but what the built data module's loader
-    serves each rank of the world (DistributedSampler pads the last share: every rank reads as many)."""
+    serves each rank of the world (its global order: every rank reads as many)."""
     overrides = (f"data={data}", f"trainer.devices={devices}", f"data.num_train={num_train}",
                  f"data.batch_size={batch_size}", "data.num_workers=0", f"trainer.limit_train_batches={limit}")
     data = instantiate(spec_for(*overrides).cfg.data)
@@ -207,7 +207,7 @@ def test_where_the_data_does_not_divide_by_the_processes_an_interval_is_checked_
 
     def check(interval: int) -> None:
         spec = spec_for(*overrides, f"trainer.val_check_interval={interval}")
-        check_validation_interval(spec, plan_for(spec).data_parallel_size)
+        check_epoch(spec, plan_for(spec))
 
     check(largest)
     with pytest.raises(ConfigError, match=rf"^trainer.val_check_interval={largest + 1}: more than the {largest} "):
@@ -232,7 +232,7 @@ def test_degrees_and_batches_that_do_not_divide_by_the_processes_are_refused_nam
 def test_a_validation_interval_is_left_to_lightning_where_the_data_config_does_not_say_the_epoch(spec_for):
     spec = spec_for("model=causal_lm", "data=tokens", "data.train_bin=a.bin", "data.val_bin=b.bin",
                     "trainer.val_check_interval=100000")
-    check_validation_interval(spec, plan_for(spec).data_parallel_size)
+    check_epoch(spec, plan_for(spec))
 
 
 def test_sharding_with_pipeline_shards_optimizer_states_over_the_pipeline_replicas():
@@ -311,7 +311,7 @@ def test_the_saved_plan_reads_back_as_the_same_plan():
 
 RUNNER_CALLBACKS = ["runner.rank.measure:RunMeter", "runner.rank.measure:LastValidation",
                     "runner.rank.preemption:Preemption", "runner.rank.resume:RandomStates",
-                    "runner.rank.resume:EpochEndPosition", "runner.rank.progress:StepsProgressBar"]
+                    "runner.rank.resume:GlobalPosition", "runner.rank.progress:StepsProgressBar"]
 EVERY_COLLECTIVE_MECHANISM = ["trainer.devices=2", "collective.build_strategy.fuse_bn_act_ops=true",
                               "collective.build_strategy.fuse_all_optimizer_ops=true", "collective.fuse_grad_size_in_MB=8",
                               "collective.find_unused_parameters=true", "collective.timeout_s=30",
