@@ -14,6 +14,7 @@ And what in-process tests share: `knobs_of` (every knob a table of knob effects 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import time
@@ -469,3 +470,29 @@ def channels_last_knob(make: Callable[..., pl.LightningModule]) -> None:
                    if isinstance(m, nn.Conv2d) and m.kernel_size != (1, 1))
 
     assert converted(channels_last="true") and not converted()
+
+
+class SampleIds(pl.Callback):
+    """Every rank appends, for each training batch, the optimizer step it belongs to and an id of
+    each sample (the first 12 hex digits of the sha1 of its inputs' bytes) to
+    sample_ids.rank<R>.jsonl in the run directory: `samples_per_step` reads them back, whatever the
+    number of processes and micro-batches that made a step (issue 41's resumes)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        inputs = (batch[0] if isinstance(batch, (list, tuple)) else batch).detach().cpu()
+        ids = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:12] for row in inputs]
+        with (Path(trainer.default_root_dir) / f"sample_ids.rank{trainer.global_rank}.jsonl").open("a") as out:
+            out.write(json.dumps({"step": trainer.global_step, "ids": ids}) + "\n")
+
+
+def samples_per_step(*runs: Path) -> Dict[int, Counter]:
+    """The samples each optimizer step of `runs` trained on (their SampleIds files), counted: a
+    run resumed from another's step takes the steps from there on."""
+    steps: Dict[int, Counter] = {}
+    for run in runs:
+        for path in sorted(run.glob("sample_ids.rank*.jsonl")):
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                steps.setdefault(entry["step"], Counter()).update(entry["ids"])
+    return steps
