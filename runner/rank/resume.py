@@ -103,14 +103,15 @@ class GlobalPosition(pl.Callback):
         data = record["data"]
         if data["order"] == "global":
             self.position.epoch, self.position.samples = data["epoch"], data["samples"]
-        # Lightning counts an epoch's batches per rank: the batches of the steps already trained,
-        # at this run's accumulation, so the epoch ends (and validates) where the run's did.
-        accumulated = record["batch"]["accumulate_grad_batches"]
-        shift = data["steps_in_epoch"] * (trainer.accumulate_grad_batches - accumulated)
+        # Lightning counts batches per rank (in the epoch, and in all: what validation every n
+        # steps across epochs counts): those of the steps already trained, at this run's
+        # accumulation, so the epoch ends (and validates) at the steps the run's did.
+        more = trainer.accumulate_grad_batches - record["batch"]["accumulate_grad_batches"]
         progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
-        for counters in (progress["total"], progress["current"]):
+        trained = ((progress["current"], data["steps_in_epoch"]), (progress["total"], checkpoint["global_step"]))
+        for counters, steps in trained:
             for name in counters:
-                counters[name] += shift
+                counters[name] += steps * more
 
 
 RECORD = "lightfleet"  # the checkpoint's key of GlobalPosition's record
