@@ -6,8 +6,13 @@ checkpoints (distributed-checkpoint directories) then serve `ckpt_path`'s checks
 from __future__ import annotations
 
 import io
+import json
 import logging
+import os
+import pty
 import re
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +27,7 @@ from runner.command.console import AboveTheBar, InPlaceBar, library_warnings_to_
 from runner.config.compose import CONFIG_NAME
 from runner.rank.train import NotFromLibraries
 from runner.records.run_dir import checkpoint_contents
+from tests.helpers.commands import command_env
 
 QUIET = re.compile(r"warn", re.IGNORECASE)
 
@@ -104,6 +110,44 @@ def test_a_single_process_run_keeps_its_log_and_counts_steps_on_the_progress_bar
     assert "Epoch 1, step" in rich.stdout and "40/40" in rich.stdout and "/-2" not in rich.stdout, rich.stdout[-2000:]
     loud = lightfleet_fresh("experiment=quickstart", "trainer.max_steps=40", "paths.output_dir=loud", "hydra.verbose=true")
     assert loud.returncode == 0 and "Warning" in console(loud) and "GPU available" in console(loud)
+
+
+@pytest.mark.slow
+def test_the_steps_bar_redraws_when_its_line_is_due_not_at_every_step(lightfleet_fresh, tmp_path):
+    """Issue 43: Lightning's bar redrew (formatted and wrote its line) at every batch, 27% of a 6 ms
+    step. 300 steps of the quickstart: with the output a pipe, the bar's line is drawn once at most
+    every 30 s and at the end; on a terminal (a pseudo-terminal) at most every 0.2 s: bounded by
+    time, not by steps."""
+    probe = ["experiment=quickstart", "trainer.max_steps=300", "+callbacks.redraws._target_=tests.helpers.probe.BarRedraws"]
+    piped = lightfleet_fresh(*probe, "paths.output_dir=piped")
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    figures = json.loads((tmp_path / "piped" / "bar_redraws.json").read_text())
+    assert figures["steps"] == 300 and 1 <= figures["redraws"] <= 2 + figures["seconds"] // 30, figures
+    primary, secondary = pty.openpty()
+    on_terminal = subprocess.run([sys.executable, "-m", "runner", *probe, "paths.output_dir=terminal"], cwd=tmp_path,
+                                 env=command_env(), stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary,
+                                 timeout=600)
+    os.close(secondary)
+    drawn = read_all(primary)
+    assert on_terminal.returncode == 0, drawn[-3000:]
+    figures = json.loads((tmp_path / "terminal" / "bar_redraws.json").read_text())
+    assert figures["steps"] == 300 and 2 <= figures["redraws"] <= 3 + figures["seconds"] / 0.2, figures
+    assert "\r" in drawn and "300/300" in drawn  # drawn in place, to the last step
+
+
+def read_all(descriptor: int) -> str:
+    """What a pseudo-terminal's other end wrote, until it closed."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(descriptor, 1 << 16)
+        except OSError:  # EIO: the writer's end is closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(descriptor)
+    return b"".join(chunks).decode(errors="replace")
 
 
 def test_the_console_keeps_lightfleets_and_the_users_warnings_and_leaves_the_libraries_to_the_log():

@@ -16,8 +16,9 @@ import warnings
 from pathlib import Path
 from typing import Iterator, TextIO
 
+from runner.records.files import PLAIN_EVERY_S
+
 POLL_S = 0.1
-PLAIN_EVERY_S = 30.0
 # Held by whoever draws the bar or writes above it, and by the command while it forks a rank
 # (runner/command/launch.py): a rank forked mid-write would inherit the console's stream locked.
 DRAWING = threading.RLock()
@@ -38,8 +39,14 @@ class InPlaceBar:
             self.line = line
             if self.terminal:
                 self.draw()
-            elif time.monotonic() - self.printed_at >= PLAIN_EVERY_S:
-                self.print_line()
+            else:
+                self.print_if_due()
+
+    def print_if_due(self) -> None:
+        """Off a terminal: the latest line, if not printed yet, once PLAIN_EVERY_S have passed since
+        the last (the ranks' bars relay a line about as often: it is printed as it comes)."""
+        if self.line != self.printed and time.monotonic() - self.printed_at >= PLAIN_EVERY_S:
+            self.print_line()
 
     def draw(self) -> None:
         width = shutil.get_terminal_size().columns - 1
@@ -96,6 +103,9 @@ def follow(path: Path, bar: InPlaceBar, stop: threading.Event) -> None:
         if line and line != seen:
             seen = line
             bar.show(line)
+        elif not bar.terminal:
+            with bar.lock:
+                bar.print_if_due()
 
 
 @contextlib.contextmanager

@@ -34,7 +34,8 @@ from runner.core.errors import ConfigError, exit_on_user_error
 from runner.core.paths import python_module, user_code_last
 from runner.config.schema import TrainerConfig
 from runner.rank.parent import COMMAND_PID, handling_stop_signals
-from runner.records.files import CONFIG_YAML, LOGS_DIR, PROGRESS_LINE, PROGRESS_LINE_ENV
+from runner.records.files import (CONFIG_YAML, LOGS_DIR, PROGRESS_EVERY_ENV, PROGRESS_LINE, PROGRESS_LINE_ENV,
+                                  progress_every_s)
 from runner.records.run_dir import read_plan
 from runner.core.world import World, launched_externally
 
@@ -130,11 +131,12 @@ def relayed_progress(records: Path) -> Iterator[None]:
     redrawn in place on a terminal, a line at most every 30 s in a log file, where tqdm's own
     redraws would add a line per step."""
     os.environ[PROGRESS_LINE_ENV] = str(records / PROGRESS_LINE)
+    os.environ[PROGRESS_EVERY_ENV] = str(progress_every_s(sys.stdout))  # the bar's line is due as this console shows it
     try:
         with progress_in_place(records / PROGRESS_LINE):
             yield
     finally:
-        del os.environ[PROGRESS_LINE_ENV]  # for this run's bar only: not for a later job run here
+        del os.environ[PROGRESS_LINE_ENV], os.environ[PROGRESS_EVERY_ENV]  # this run's bar only, not a later job's
 
 
 def launch_ranks(records: Path, world: World, nproc: int) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -29,7 +31,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
-from runner.records.files import PROGRESS_LINE_ENV
+from runner.records.files import PLAIN_EVERY_S, PROGRESS_EVERY_ENV, PROGRESS_LINE_ENV, progress_every_s
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -109,17 +111,41 @@ class ProgressRelay:
 
 class StepsProgressBar(_CountsSteps, TQDMProgressBar):
     """Lightning's default (tqdm) bar, counting steps where steps bound the run; into a
-    ProgressRelay where the command draws it (PROGRESS_LINE_ENV)."""
+    ProgressRelay where the command draws it (PROGRESS_LINE_ENV). It redraws when its line is due
+    (every `every_s`: a few times a second on a terminal, every 30 s elsewhere) and at the last
+    step, not at every batch as Lightning's does (refresh_rate=1): formatting and writing the line
+    cost a 6 ms step about 27% (bench/RESULTS.md)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        relay = os.environ.get(PROGRESS_LINE_ENV)
+        relay, every = os.environ.get(PROGRESS_LINE_ENV), os.environ.get(PROGRESS_EVERY_ENV)
         self.relay = ProgressRelay(Path(relay)) if relay else None
+        self.every_s = float(every) if every else progress_every_s(sys.stdout)
+        self._due_at = 0.0
+
+    def _due(self) -> bool:
+        return time.monotonic() >= self._due_at
 
     def _drawn(self, make: Any) -> Any:
-        """The bar `make()` builds, drawing into the relay if there is one (Lightning gives its bars sys.stdout)."""
+        """The bar `make()` builds, drawing into the relay if there is one (Lightning gives its bars
+        sys.stdout), and only when its line is due: every redraw Lightning asks for (a step, an
+        epoch's start and end, a validation's end) goes through its `refresh`; closing draws the last."""
         with contextlib.redirect_stdout(self.relay) if self.relay else contextlib.nullcontext():
-            return make()
+            bar = make()
+        refresh = bar.refresh
+
+        def refresh_when_due(*args: Any, **kwargs: Any) -> Any:
+            if not self._due():
+                return None
+            self._due_at = time.monotonic() + self.every_s
+            return refresh(*args, **kwargs)
+
+        bar.refresh = refresh_when_due
+        return bar
+
+    @override
+    def _should_update(self, current: int, total: int) -> bool:
+        return self.is_enabled and self._due()  # nor are the metrics read and formatted between redraws
 
     @override
     def init_sanity_tqdm(self) -> Any:
@@ -131,7 +157,15 @@ class StepsProgressBar(_CountsSteps, TQDMProgressBar):
 
     @override
     def init_validation_tqdm(self) -> Any:
-        return self._drawn(super().init_validation_tqdm)
+        if self.every_s < PLAIN_EVERY_S:
+            return self._drawn(super().init_validation_tqdm)
+        # Off a terminal the line shown is the training bar's: a validation bar, made and drawn at
+        # every validation, would only replace it.
+        self._enabled = False
+        try:
+            return super().init_validation_tqdm()
+        finally:
+            self._enabled = True
 
     @override
     def init_predict_tqdm(self) -> Any:
@@ -140,6 +174,14 @@ class StepsProgressBar(_CountsSteps, TQDMProgressBar):
     @override
     def init_test_tqdm(self) -> Any:
         return self._drawn(super().init_test_tqdm)
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        bar = self.train_progress_bar
+        if not bar.disable and bounded_by_steps(trainer):  # the last step's line, drawn as the bar closes
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+        super().on_train_end(trainer, pl_module)
 
     counting_since: Optional[Tuple[int, float]] = None  # the step and the time the bar started counting at
 

@@ -26,6 +26,17 @@ LAST_CHECKPOINT = "checkpoints/last.ckpt"  # ModelCheckpoint's save_last (conf/c
 LOGS_DIR = "logs"  # torchelastic's per-rank stdout/stderr, and the ranks' tracebacks
 PROGRESS_LINE = "logs/progress.line"  # rank 0's progress bar as its latest line, which the command draws in place
 PROGRESS_LINE_ENV = "LIGHTFLEET_PROGRESS_LINE"  # set by the command for its ranks: the path of PROGRESS_LINE
+# How often a progress bar's line is due: on a terminal a few times a second (drawn in place), elsewhere
+# (a pipe, a log file, a scheduler's output) every PLAIN_EVERY_S, a line each. Set by the command for its
+# ranks (PROGRESS_EVERY_ENV), from the console it draws on; a rank without it looks at its own stdout.
+TERMINAL_EVERY_S = 0.2
+PLAIN_EVERY_S = 30.0
+PROGRESS_EVERY_ENV = "LIGHTFLEET_PROGRESS_EVERY_S"
+
+
+def progress_every_s(stream: Any) -> float:
+    """How often a bar drawn on `stream` is due (TERMINAL_EVERY_S, PLAIN_EVERY_S)."""
+    return TERMINAL_EVERY_S if stream.isatty() else PLAIN_EVERY_S
 JOB_LOG = "lightfleet.log"  # the job's log: Hydra's (hydra.job.name), and every rank's records and warnings
 NODES_DIR = "nodes"  # nodes/<NODE_RANK>/: a second node's copy of the command keeps its records there
 RANKS_DIR = "ranks"  # ranks/<RANK>/: the same for a rank launched by torchrun or SLURM

@@ -496,3 +496,30 @@ def samples_per_step(*runs: Path) -> Dict[int, Counter]:
                 entry = json.loads(line)
                 steps.setdefault(entry["step"], Counter()).update(entry["ids"])
     return steps
+
+
+class BarRedraws(pl.Callback):
+    """Counts how often the steps bar draws its training line (tqdm's display) from the first
+    batch on, and writes the count and the seconds fit took from there to bar_redraws.json (rank 0)."""
+
+    def __init__(self) -> None:
+        self.redraws, self.started = 0, 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.started:
+            return
+        self.started = time.monotonic()
+        bar = trainer.progress_bar_callback.train_progress_bar
+        display = bar.display
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.redraws += 1
+            return display(*args, **kwargs)
+
+        bar.display = counted
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            figures = {"redraws": self.redraws, "seconds": time.monotonic() - self.started, "steps": trainer.global_step}
+            (Path(trainer.default_root_dir) / "bar_redraws.json").write_text(json.dumps(figures))

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner.rank.progress import RichStepsProgressBar, StepsProgressBar
-from runner.records.files import PROGRESS_LINE_ENV
+from runner.records.files import PROGRESS_EVERY_ENV, PROGRESS_LINE_ENV
 
 STEP_S = 0.4
 STEPS, PER_EPOCH = 6, 2  # three epochs
@@ -62,6 +62,7 @@ def rich_task(bar: RichStepsProgressBar) -> tuple:
                          ids=["tqdm", "rich"])
 def test_the_bars_clock_and_rate_run_across_epochs(bar, read, tmp_path, monkeypatch):
     monkeypatch.delenv(PROGRESS_LINE_ENV, raising=False)  # drawn here, not relayed
+    monkeypatch.setenv(PROGRESS_EVERY_ENV, "0")  # its line due at every step, so the last step's is read
     probe = AtTheLastStep(read)
     data = DataLoader(TensorDataset(torch.zeros(PER_EPOCH, 2)), batch_size=1)
     pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
