@@ -271,6 +271,22 @@ def pin_memory(make: Make, files: SimpleNamespace) -> None:
     assert module.train_dataloader().pin_memory is False and module.val_dataloader().pin_memory is False
 
 
+def epoch_order(length: int, global_batch: int, epoch: int = 0) -> torch.Tensor:
+    """The global order's rule (runner/data/order.py) written out: an epoch's order of `length`
+    items is a permutation drawn from the run's seed (0 here) plus the epoch, and the epoch serves
+    its first floor(length / G) x G items; the rest sit the epoch out."""
+    order = torch.randperm(length, generator=torch.Generator().manual_seed(epoch))
+    return order[: length // global_batch * global_batch]
+
+
+def num_train(make: Make, files: SimpleNamespace) -> None:
+    """24 training samples at batch 5 (one process, G = 5): the epoch serves the first 20 of its
+    order, and 4 sit it out."""
+    module = make(num_train=24, batch_size=5)
+    inputs, _ = served(module.train_dataloader())
+    torch.testing.assert_close(inputs, module.train_set.tensors[0][epoch_order(24, 5)], rtol=0, atol=0)
+
+
 def samples_served(split: str, knob: str) -> Callable:
     def check(make: Make, files: SimpleNamespace) -> None:
         assert len(served(loader_of(make(**{knob: 24}), split))[0]) == 24
@@ -283,7 +299,7 @@ def seed(make: Make, files: SimpleNamespace) -> None:
 
 
 SPLIT_DATA = {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory, "seed": seed,
-              "num_train": samples_served("train", "num_train"), "num_val": samples_served("val", "num_val"),
+              "num_train": num_train, "num_val": samples_served("val", "num_val"),
               "num_test": samples_served("test", "num_test")}
 
 
@@ -304,13 +320,19 @@ def seq_len(make: Make, files: SimpleNamespace) -> None:
     assert inputs.shape[1] == targets.shape[1] == 8
 
 
-def token_split_file(knob: str, split: str, expected_windows: int) -> Callable:
-    """The `split` windows come from val.bin (4,000 tokens) with `knob` set to it, else train.bin (40,000)."""
-    def check(make: Make, files: SimpleNamespace) -> None:
-        module = make(**{knob: str(files.field / ("val.bin" if knob != "val_bin" else "train.bin"))})
-        assert len(served(loader_of(module, split))[0]) == expected_windows
+def token_train_file(make: Make, files: SimpleNamespace) -> None:
+    """train_bin=val.bin (4,000 tokens): an epoch of 235 random windows of it (as many as it has
+    consecutive ones), of which the first 235 // 12 x 12 of the order serve (batch 12, G = 12)."""
+    module = make(train_bin=str(files.field / "val.bin"))
+    tokens = np.fromfile(files.field / "val.bin", np.uint16)
+    starts = torch.randint(4_000 - 16, (235,), generator=torch.Generator().manual_seed(0))[: 235 // 12 * 12]
+    expected = torch.stack([torch.from_numpy(tokens[start : start + 16].astype(np.int64)) for start in starts.tolist()])
+    torch.testing.assert_close(served(module.train_dataloader())[0], expected, rtol=0, atol=0)
 
-    return check
+
+def token_val_file(make: Make, files: SimpleNamespace) -> None:
+    """val_bin=train.bin: validation serves its 40,000 // 17 consecutive windows (val.bin holds 4,000 tokens)."""
+    assert len(served(make(val_bin=str(files.field / "train.bin")).val_dataloader())[0]) == 40_000 // 17
 
 
 def token_test_file(make: Make, files: SimpleNamespace) -> None:
@@ -326,9 +348,10 @@ def dtype(make: Make, files: SimpleNamespace) -> None:
 
 
 def sequential_windows(make: Make, files: SimpleNamespace) -> None:
+    """The file's 2,352 consecutive windows in the epoch's order, the first 2,352 // 12 x 12 of it (all)."""
     inputs, _ = served(make(windows="sequential").train_dataloader())
     expected, _ = windows(np.fromfile(files.field / "train.bin", np.uint16), 16)
-    assert sorted(map(tuple, inputs.tolist())) == sorted(map(tuple, expected.tolist()))
+    torch.testing.assert_close(inputs, expected[epoch_order(len(expected), 12)], rtol=0, atol=0)
 
 
 def token_vocabulary(make: Make, files: SimpleNamespace) -> None:
@@ -421,12 +444,16 @@ def image_root(make: Make, files: SimpleNamespace) -> None:
     assert len(served(module.val_dataloader())[0]) == 32
 
 
-def image_split(knob: str, split: str, folder_images: int) -> Callable:
-    """`knob=holdout`: the split serves the holdout folder's 2 images."""
-    def check(make: Make, files: SimpleNamespace) -> None:
-        assert len(served(loader_of(make(**{knob: "holdout"}), split))[0]) == folder_images
+def image_val_split(make: Make, files: SimpleNamespace) -> None:
+    """val_split=holdout: validation serves the holdout folder's 2 images."""
+    assert len(served(make(val_split="holdout").val_dataloader())[0]) == 2
 
-    return check
+
+def image_train_split(make: Make, files: SimpleNamespace) -> None:
+    """train_split=val: training takes the val folder's 4 images (classes a, a, b, b) at batch 3:
+    the first 3 of the epoch's order (the train folder's 8 would give 6, the holdout's 2 none)."""
+    _, labels = served(make(train_split="val", batch_size=3).train_dataloader())
+    assert labels.tolist() == torch.tensor([0, 0, 1, 1])[epoch_order(4, 3)].tolist()
 
 
 def image_test_split(make: Make, files: SimpleNamespace) -> None:
@@ -468,8 +495,7 @@ KNOBS: Dict[str, Dict[str, Callable[[Make, SimpleNamespace], None]]] = {
     "images": {**SPLIT_DATA, "input_shape": input_shape, "num_classes": num_classes},
     "language_model": {**SPLIT_DATA, "vocab_size": vocab_size, "seq_len": seq_len},
     "tokens": {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory, "seq_len": seq_len,
-               "train_bin": token_split_file("train_bin", "train", 4_000 // 17),
-               "val_bin": token_split_file("val_bin", "val", 40_000 // 17), "test_bin": token_test_file, "dtype": dtype,
+               "train_bin": token_train_file, "val_bin": token_val_file, "test_bin": token_test_file, "dtype": dtype,
                "windows": sequential_windows, "samples_per_epoch": samples_served("train", "samples_per_epoch"),
                "vocab_size": token_vocabulary},
     "hf_text": {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory, "seq_len": seq_len,
@@ -478,7 +504,7 @@ KNOBS: Dict[str, Dict[str, Callable[[Make, SimpleNamespace], None]]] = {
                 "val_split": split_of("val_split", "train", "val", "train"), "test_split": text_test_split,
                 "val_fraction": val_fraction, "split_seed": split_seed},
     "imagefolder": {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory, "root": image_root,
-                    "train_split": image_split("train_split", "train", 2), "val_split": image_split("val_split", "val", 2),
+                    "train_split": image_train_split, "val_split": image_val_split,
                     "test_split": image_test_split, "image_size": image_size, "prefetch_factor": prefetch_factor,
                     "min_crop_scale": min_crop_scale, "mean": normalisation("mean"), "std": normalisation("std")},
 }
