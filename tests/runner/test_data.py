@@ -6,6 +6,7 @@ what it says, each checked on its own. What only one module does: test_models.py
 data), test_file_data.py (tokens, imagefolder), test_hf_text.py."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -519,3 +520,106 @@ def test_every_knob_of_every_data_module_has_a_check(name):
 @pytest.mark.parametrize("name, knob", [(name, knob) for name in CONFS for knob in sorted(KNOBS[name])])
 def test_each_knob_does_what_it_says(made, files, name, knob):
     KNOBS[name][knob](lambda **knobs: made(name, **knobs), files)
+
+
+# --------------------------------------------------------------------------- the global order on 1, 2 and 3 processes
+# Issue 41's example: N = 1,001 training samples, which divide by neither 2 nor 3 processes. With
+# the global batch kept (G = 6 batches of B: 1 process accumulating 6, 2 accumulating 3, 3
+# accumulating 2), global batch k holds the same samples, cut into the same micro-batches (units
+# of B), whatever the number of processes; the last 1,001 % G of each epoch's order sit it out.
+
+N, B = 1001, 4
+G = 6 * B
+PROCESSES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def thousand_and_one(files, tmp_path_factory) -> Dict[str, tuple]:
+    """case -> (conf, knobs) that make every built-in data module train on N samples of batch B;
+    each sample's inputs tell it apart (token ids 0, 1, 2..., a document of its own words, an
+    image of its own noise)."""
+    from PIL import Image
+
+    from tests.helpers.data_files import image_folder, word_tokenizer
+    import datasets
+
+    folder = tmp_path_factory.mktemp("thousand_and_one")
+    image_folder(folder / "images", per_class=N // 2, size=8)
+    Image.fromarray(np.full((8, 8, 3), 7, np.uint8)).save(folder / "images" / "train" / "dark" / "odd.png")
+    word_tokenizer(folder / "words.json", (N + 4) * 16)
+    texts = [" ".join(f"w{16 * doc + word}" for word in range(16)) for doc in range(N + 4)]  # 17 tokens with its end
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:N]}),
+                          "validation": datasets.Dataset.from_dict({"text": texts[N:]})}).save_to_disk(folder / "corpus")
+    synthetic = {"num_train": N, "batch_size": B}
+    return {"classification": ("classification", synthetic), "images": ("images", synthetic),
+            "language_model": ("language_model", synthetic),
+            "tokens_random": ("tokens", {"train_bin": str(files.counting), "samples_per_epoch": N, "batch_size": B}),
+            "tokens_sequential": ("tokens", {"train_bin": str(token_file(folder / "windows.bin", N * 17)),
+                                             "windows": "sequential", "batch_size": B}),
+            "imagefolder": ("imagefolder", {"root": str(folder / "images"), "batch_size": B}),
+            "hf_text": ("hf_text", {"path": str(folder / "corpus"), "tokenizer": str(folder / "words.json"),
+                                    "batch_size": B})}
+
+
+def sample_ids(inputs: torch.Tensor) -> list[str]:
+    """Each sample of a batch by a digest of its inputs' bytes (as tests/helpers/probe.py:SampleIds)."""
+    return [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:12] for row in inputs]
+
+
+def rank_loaders(module: Any, processes: int, epoch: int = 0, position: Any = None) -> list:
+    """Each rank's training loader of `module`, `processes` data-parallel ranks accumulating to G."""
+    loaders = []
+    for rank in range(processes):
+        module.trainer = on_device(processes=processes, rank=rank, accumulation=G // (processes * B), epoch=epoch,
+                                   position=position)
+        loaders.append(module.train_dataloader())
+    return loaders
+
+
+def global_batches(loaders: list) -> list[list[list[str]]]:
+    """The global batches the ranks' loaders serve in one pass, each as its units in order: unit j
+    of a global batch is the (j // D)-th micro-batch of rank j mod D's optimizer step."""
+    processes = len(loaders)
+    accumulation = G // (processes * B)
+    per_rank = [[sample_ids(inputs) for inputs, _ in loader] for loader in loaders]
+    assert len({len(batches) for batches in per_rank}) == 1 and len(per_rank[0]) % accumulation == 0
+    return [[per_rank[unit % processes][step * accumulation + unit // processes] for unit in range(G // B)]
+            for step in range(len(per_rank[0]) // accumulation)]
+
+
+@pytest.mark.parametrize("case", ["classification", "images", "language_model", "tokens_random", "tokens_sequential",
+                                  "imagefolder", "hf_text"])
+def test_1001_samples_give_the_same_global_batches_on_1_2_and_3_processes(made, thousand_and_one, case):
+    name, knobs = thousand_and_one[case]
+    module = made(name, **knobs)
+    alone = global_batches(rank_loaders(module, 1))
+    assert len(alone) == N // G and all(len(unit) == B for batch in alone for unit in batch)
+    served = [sample for batch in alone for unit in batch for sample in unit]
+    if case != "tokens_random":  # random windows are drawn with replacement; every other sample serves at most once
+        assert len(set(served)) == len(served) == N // G * G
+    for processes in PROCESSES[1:]:
+        assert global_batches(rank_loaders(module, processes)) == alone, f"{processes} processes"
+
+
+@pytest.mark.parametrize("case", ["classification", "tokens_random", "tokens_sequential", "imagefolder", "hf_text"])
+def test_a_resumed_position_serves_the_rest_of_its_epoch_and_the_whole_next_one(made, thousand_and_one, case):
+    """A run resumed with 5 global batches of epoch 1 trained (the Position GlobalPosition restores),
+    on 1, 2 or 3 processes: the loaders serve epoch 1's global batches from the 6th on, then every
+    global batch of epoch 2."""
+    from runner.data.order import Position
+
+    name, knobs = thousand_and_one[case]
+    module = made(name, **knobs)
+    uninterrupted = rank_loaders(module, 1, epoch=1)
+    epoch_1 = global_batches(uninterrupted)
+    uninterrupted[0].sampler.set_epoch(2)
+    epoch_2 = global_batches(uninterrupted)
+    assert epoch_2 != epoch_1
+    position = Position()
+    position.epoch, position.samples = 1, 5 * G
+    for processes in PROCESSES:
+        loaders = rank_loaders(module, processes, epoch=1, position=position)
+        assert global_batches(loaders) == epoch_1[5:], f"{processes} processes"
+        for loader in loaders:  # Lightning sets each epoch's number on the loader's sampler
+            loader.sampler.set_epoch(2)
+        assert global_batches(loaders) == epoch_2, f"{processes} processes"
