@@ -2,7 +2,9 @@
 command composes it, on files made here (tests/helpers/data_files.py): evaluation serves the same items at
 every pass, in the split's order, through the evaluation transforms; training's random draws are
 each item's own; tokens_per_sample is what a served sample holds, at every length; every knob does
-what it says, each checked on its own. What only one module does: test_models.py (the synthetic
+what it says, each checked on its own; training is the global order (runner/data/order.py): 1,001
+samples give the same global batches, in the same micro-batches, on 1, 2 and 3 processes, and a
+resumed position serves the rest of its epoch. What only one module does: test_models.py (the synthetic
 data), test_file_data.py (tokens, imagefolder), test_hf_text.py."""
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
-from tests.helpers.data_files import bpe_tokenizer, decoded_documents, documents, on_device, picture_folder, token_file
+from tests.helpers.data_files import (bpe_tokenizer, decoded_documents, documents, image_folder, on_device, picture_folder,
+                                     token_file, word_tokenizer)
 from tests.helpers.probe import knobs_of
 from runner.config.checks import validate
 from runner.core.paths import CONF_DIR
@@ -538,10 +541,8 @@ def thousand_and_one(files, tmp_path_factory) -> Dict[str, tuple]:
     """case -> (conf, knobs) that make every built-in data module train on N samples of batch B;
     each sample's inputs tell it apart (token ids 0, 1, 2..., a document of its own words, an
     image of its own noise)."""
-    from PIL import Image
-
-    from tests.helpers.data_files import image_folder, word_tokenizer
     import datasets
+    from PIL import Image
 
     folder = tmp_path_factory.mktemp("thousand_and_one")
     image_folder(folder / "images", per_class=N // 2, size=8)
