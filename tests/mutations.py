@@ -412,9 +412,14 @@ MUTANTS = [
            "tokens[:, 0] = torch.randint(vocab, (1,), generator=generator)",
            (select("tests/runner/test_data.py", "independently and language_model"),)),
     Mutant("tokens-random-one-start", "data", "data=tokens' random windows of an epoch all start at one place",
-           "runner/data/tokens.py", "starts = torch.randint(len(self.dataset), (self.total_size,), generator=generator)",
-           "starts = torch.randint(len(self.dataset), (1,), generator=generator).expand(self.total_size)",
+           "runner/data/tokens.py", "return torch.randint(len(data), (count,), generator=generator)",
+           "return torch.randint(len(data), (1,), generator=generator).expand(count)",
            (select("tests/runner/test_data.py", "independently and tokens"),)),
+    # The global order dealt as DistributedSampler deals: the same samples a step, other micro-batches.
+    Mutant("global-order-samples-interleaved", "data", "a rank takes every D-th sample of the global order, not every D-th batch",
+           "runner/data/order.py", "yield from units[self.rank :: self.num_replicas].flatten().tolist()",
+           "yield from units.flatten()[self.rank :: self.num_replicas].tolist()",
+           (select("tests/runner/test_data.py", "1001 and classification"),)),
     # Evaluation that is not deterministic, or not evaluation's.
     Mutant("imagefolder-val-train-transforms", "data", "validation images take the training transforms (random crops and flips)",
            "runner/data/images.py", '"val": image_folder(self.root, val_split, "val_split", evaluate)}',
@@ -424,8 +429,9 @@ MUTANTS = [
            "runner/data/synthetic.py", "return self._loader(self.val_set)", "return self._loader(self.val_set, shuffle=True)",
            (select("tests/runner/test_data.py", "same_items and classification"),)),
     Mutant("tokens-test-training-windows", "data", "data=tokens' test split is served as training windows",
-           "runner/data/tokens.py", 'return self._loader(test, "sequential", shuffle=False, epoch=0)',
-           "return self._loader(test, self.windows, shuffle=True, epoch=self.trainer.current_epoch if self.trainer else 0)",
+           "runner/data/tokens.py", "        return self._evaluation_loader(test)\n",
+           "        return self._loader(test, TrainingWindows(test, self.windows, self.samples_per_epoch, "
+           "batch_size=self.batch_size, seed=run_seed(), trainer=self.trainer))\n",
            (select("tests/runner/test_data.py", "same_items and tokens"),)),
     # Figures that ignore the input's size.
     Mutant("vision-flops-at-224", "models", "model=vision counts FLOPs at 224 pixels whatever data.image_size is",

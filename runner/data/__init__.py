@@ -5,9 +5,13 @@ images.py: an ImageFolder tree, hf_text.py: Hugging Face datasets and text files
 
 Each synthetic data module draws its whole data set from a `torch.Generator` seeded by `seed`,
 so every process of a distributed run builds identical data whatever the global RNG state.
-Every training order, synthetic or of files, comes from the run's seed and the epoch alone
-(order.py), and every loader is stateful: a run resumed mid-epoch continues with the batch it
-would have drawn next.
+Every training epoch, synthetic or of files, is lightfleet's global order (order.py): one order of
+the whole data drawn from the run's seed and the epoch alone, cut into global batches of exactly
+G = data-parallel processes x batch_size x accumulation, unit j (batch_size consecutive samples)
+of each going to data-parallel rank j mod D; the last `len % G` samples of each epoch's order sit
+that epoch out. So a global batch holds the same samples, in the same micro-batches, on any
+number of processes, and a run resumed mid-epoch, on any number, continues with the global batch
+it would have trained next.
 
 The package itself imports nothing: `lightfleet prepare-data` runs without torch or Lightning.
 Its names (`runner.data.SyntheticClassificationData`, as conf/data/ names them) load on first use.

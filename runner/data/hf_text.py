@@ -10,8 +10,8 @@ Batches are `(tokens[:, :-1], tokens[:, 1:])` int64, as data=tokens serves them.
 DatasetDict's val_split, or the val_fraction of the training documents drawn by split_seed.
 
 Training windows are data=tokens' `sequential` ones (tokens.py): shuffled every epoch from (the
-run's seed, the epoch), split over the data-parallel ranks, served by a stateful loader, so a run
-resumed mid-epoch continues with the window it would have drawn next.
+run's seed, the epoch) in lightfleet's global order (order.py), so a run resumed mid-epoch, on any
+number of processes, continues with the global batch it would have drawn next.
 
 The tokens live in memory (2 bytes each, 4 past 65,536 ids), tokenized in the command (its
 checks) and again in each process: a corpus that takes long to tokenize is better written once

@@ -5,8 +5,9 @@ and a horizontal flip); validation and test resize and take the centre crop.
 
 Batches are `(images [B, 3, image_size, image_size] float, labels [B])`. The training order and
 every image's random crop and flip come from (the run's seed, the epoch, the image), never from a
-worker's RNG: how many workers load the data changes nothing, and a run resumed mid-epoch
-continues with the very batch it would have drawn next.
+worker's RNG: how many workers load the data changes nothing, and a run resumed mid-epoch, on
+any number of processes, continues with the very global batch it would have drawn next (the
+global order: order.py).
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Optional
 
 import numpy as np
 
@@ -45,14 +46,18 @@ def picture_folder(root: Path, per_class: dict, size: int = 32) -> Path:
 
 
 def on_device(device: str = "cpu", epoch: int = 0, processes: int = 1, precision: str = "32-true",
-              accumulation: int = 1) -> SimpleNamespace:
+              accumulation: int = 1, rank: Optional[int] = None, position: Any = None) -> SimpleNamespace:
     """What a data module or a model reads of Lightning's trainer, for a run on `device` in
-    `precision` in `epoch`, `processes` on the node, accumulating `accumulation` batches a step."""
+    `precision` in `epoch`, `processes` on the node, accumulating `accumulation` batches a step;
+    with `rank`, as that one of `processes` data-parallel ranks (Lightning's sampler arguments);
+    with `position` (runner/data/order.py:Position), resumed there, as GlobalPosition holds it."""
     import torch
 
+    replicas = {"num_replicas": processes, "rank": rank} if rank is not None else None
     return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=processes,
-                           current_epoch=epoch, distributed_sampler_kwargs=None, precision=precision,
-                           accumulate_grad_batches=accumulation, callbacks=[])
+                           current_epoch=epoch, distributed_sampler_kwargs=replicas, precision=precision,
+                           accumulate_grad_batches=accumulation,
+                           callbacks=[SimpleNamespace(position=position)] if position is not None else [])
 
 
 END_OF_TEXT = "<|endoftext|>"

@@ -1,5 +1,7 @@
 """A user's code for the runs that bring their own (tests/test_hydra_app.py, tests/test_resume.py,
-tests/test_readme.py, tests/test_wheel.py), written in the tests so that nothing of lightfleet's is in it."""
+tests/test_readme.py, tests/test_wheel.py, tests/test_global_order.py), written in the tests so that
+nothing of lightfleet's is in it but the one documented line a data module takes to resume on any
+number of processes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,6 +49,31 @@ class UserNet(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 '''
+
+# A user's data module with lightfleet's one line (docs/guide.md, "Your own LightningModule and
+# DataModule"): its training order is lightfleet's global order, so it resumes on any number of processes.
+USER_DATA = '''
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from runner.data import global_order
+
+
+class UserData(pl.LightningDataModule):
+    def __init__(self, num_train=1001, batch_size=32):
+        super().__init__()
+        self.num_train, self.batch_size = num_train, batch_size
+
+    def train_dataloader(self):
+        inputs = torch.randn(self.num_train, 32, generator=torch.Generator().manual_seed(1))
+        dataset = TensorDataset(inputs, (inputs[:, 0] > 0).long())
+        return DataLoader(dataset, batch_size=self.batch_size,
+                          sampler=global_order(self.trainer, dataset, self.batch_size))
+'''
+
+# USER_DATA's config in the user's config directory (data/user_data.yaml), with USER_DATA in user_data.py.
+USER_DATA_CONF = "_target_: user_data.UserData\n"
 
 # USER_MODEL's config in the user's config directory (model/user_net.yaml), with USER_MODEL in user_model.py.
 USER_NET = "_target_: user_model.UserNet\nwidth: 16\n"

@@ -2,10 +2,13 @@
 command composes it, on files made here (tests/helpers/data_files.py): evaluation serves the same items at
 every pass, in the split's order, through the evaluation transforms; training's random draws are
 each item's own; tokens_per_sample is what a served sample holds, at every length; every knob does
-what it says, each checked on its own. What only one module does: test_models.py (the synthetic
+what it says, each checked on its own; training is the global order (runner/data/order.py): 1,001
+samples give the same global batches, in the same micro-batches, on 1, 2 and 3 processes, and a
+resumed position serves the rest of its epoch. What only one module does: test_models.py (the synthetic
 data), test_file_data.py (tokens, imagefolder), test_hf_text.py."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +20,8 @@ import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
-from tests.helpers.data_files import bpe_tokenizer, decoded_documents, documents, on_device, picture_folder, token_file
+from tests.helpers.data_files import (bpe_tokenizer, decoded_documents, documents, image_folder, on_device, picture_folder,
+                                     token_file, word_tokenizer)
 from tests.helpers.probe import knobs_of
 from runner.config.checks import validate
 from runner.core.paths import CONF_DIR
@@ -271,6 +275,22 @@ def pin_memory(make: Make, files: SimpleNamespace) -> None:
     assert module.train_dataloader().pin_memory is False and module.val_dataloader().pin_memory is False
 
 
+def epoch_order(length: int, global_batch: int, epoch: int = 0) -> torch.Tensor:
+    """The global order's rule (runner/data/order.py) written out: an epoch's order of `length`
+    items is a permutation drawn from the run's seed (0 here) plus the epoch, and the epoch serves
+    its first floor(length / G) x G items; the rest sit the epoch out."""
+    order = torch.randperm(length, generator=torch.Generator().manual_seed(epoch))
+    return order[: length // global_batch * global_batch]
+
+
+def num_train(make: Make, files: SimpleNamespace) -> None:
+    """24 training samples at batch 5 (one process, G = 5): the epoch serves the first 20 of its
+    order, and 4 sit it out."""
+    module = make(num_train=24, batch_size=5)
+    inputs, _ = served(module.train_dataloader())
+    torch.testing.assert_close(inputs, module.train_set.tensors[0][epoch_order(24, 5)], rtol=0, atol=0)
+
+
 def samples_served(split: str, knob: str) -> Callable:
     def check(make: Make, files: SimpleNamespace) -> None:
         assert len(served(loader_of(make(**{knob: 24}), split))[0]) == 24
@@ -283,7 +303,7 @@ def seed(make: Make, files: SimpleNamespace) -> None:
 
 
 SPLIT_DATA = {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory, "seed": seed,
-              "num_train": samples_served("train", "num_train"), "num_val": samples_served("val", "num_val"),
+              "num_train": num_train, "num_val": samples_served("val", "num_val"),
               "num_test": samples_served("test", "num_test")}
 
 
@@ -304,13 +324,19 @@ def seq_len(make: Make, files: SimpleNamespace) -> None:
     assert inputs.shape[1] == targets.shape[1] == 8
 
 
-def token_split_file(knob: str, split: str, expected_windows: int) -> Callable:
-    """The `split` windows come from val.bin (4,000 tokens) with `knob` set to it, else train.bin (40,000)."""
-    def check(make: Make, files: SimpleNamespace) -> None:
-        module = make(**{knob: str(files.field / ("val.bin" if knob != "val_bin" else "train.bin"))})
-        assert len(served(loader_of(module, split))[0]) == expected_windows
+def token_train_file(make: Make, files: SimpleNamespace) -> None:
+    """train_bin=val.bin (4,000 tokens): an epoch of 235 random windows of it (as many as it has
+    consecutive ones), of which the first 235 // 12 x 12 of the order serve (batch 12, G = 12)."""
+    module = make(train_bin=str(files.field / "val.bin"))
+    tokens = np.fromfile(files.field / "val.bin", np.uint16)
+    starts = torch.randint(4_000 - 16, (235,), generator=torch.Generator().manual_seed(0))[: 235 // 12 * 12]
+    expected = torch.stack([torch.from_numpy(tokens[start : start + 16].astype(np.int64)) for start in starts.tolist()])
+    torch.testing.assert_close(served(module.train_dataloader())[0], expected, rtol=0, atol=0)
 
-    return check
+
+def token_val_file(make: Make, files: SimpleNamespace) -> None:
+    """val_bin=train.bin: validation serves its 40,000 // 17 consecutive windows (val.bin holds 4,000 tokens)."""
+    assert len(served(make(val_bin=str(files.field / "train.bin")).val_dataloader())[0]) == 40_000 // 17
 
 
 def token_test_file(make: Make, files: SimpleNamespace) -> None:
@@ -326,9 +352,10 @@ def dtype(make: Make, files: SimpleNamespace) -> None:
 
 
 def sequential_windows(make: Make, files: SimpleNamespace) -> None:
+    """The file's 2,352 consecutive windows in the epoch's order, the first 2,352 // 12 x 12 of it (all)."""
     inputs, _ = served(make(windows="sequential").train_dataloader())
     expected, _ = windows(np.fromfile(files.field / "train.bin", np.uint16), 16)
-    assert sorted(map(tuple, inputs.tolist())) == sorted(map(tuple, expected.tolist()))
+    torch.testing.assert_close(inputs, expected[epoch_order(len(expected), 12)], rtol=0, atol=0)
 
 
 def token_vocabulary(make: Make, files: SimpleNamespace) -> None:
@@ -421,12 +448,16 @@ def image_root(make: Make, files: SimpleNamespace) -> None:
     assert len(served(module.val_dataloader())[0]) == 32
 
 
-def image_split(knob: str, split: str, folder_images: int) -> Callable:
-    """`knob=holdout`: the split serves the holdout folder's 2 images."""
-    def check(make: Make, files: SimpleNamespace) -> None:
-        assert len(served(loader_of(make(**{knob: "holdout"}), split))[0]) == folder_images
+def image_val_split(make: Make, files: SimpleNamespace) -> None:
+    """val_split=holdout: validation serves the holdout folder's 2 images."""
+    assert len(served(make(val_split="holdout").val_dataloader())[0]) == 2
 
-    return check
+
+def image_train_split(make: Make, files: SimpleNamespace) -> None:
+    """train_split=val: training takes the val folder's 4 images (classes a, a, b, b) at batch 3:
+    the first 3 of the epoch's order (the train folder's 8 would give 6, the holdout's 2 none)."""
+    _, labels = served(make(train_split="val", batch_size=3).train_dataloader())
+    assert labels.tolist() == torch.tensor([0, 0, 1, 1])[epoch_order(4, 3)].tolist()
 
 
 def image_test_split(make: Make, files: SimpleNamespace) -> None:
@@ -468,8 +499,7 @@ KNOBS: Dict[str, Dict[str, Callable[[Make, SimpleNamespace], None]]] = {
     "images": {**SPLIT_DATA, "input_shape": input_shape, "num_classes": num_classes},
     "language_model": {**SPLIT_DATA, "vocab_size": vocab_size, "seq_len": seq_len},
     "tokens": {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory, "seq_len": seq_len,
-               "train_bin": token_split_file("train_bin", "train", 4_000 // 17),
-               "val_bin": token_split_file("val_bin", "val", 40_000 // 17), "test_bin": token_test_file, "dtype": dtype,
+               "train_bin": token_train_file, "val_bin": token_val_file, "test_bin": token_test_file, "dtype": dtype,
                "windows": sequential_windows, "samples_per_epoch": samples_served("train", "samples_per_epoch"),
                "vocab_size": token_vocabulary},
     "hf_text": {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory, "seq_len": seq_len,
@@ -478,7 +508,7 @@ KNOBS: Dict[str, Dict[str, Callable[[Make, SimpleNamespace], None]]] = {
                 "val_split": split_of("val_split", "train", "val", "train"), "test_split": text_test_split,
                 "val_fraction": val_fraction, "split_seed": split_seed},
     "imagefolder": {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory, "root": image_root,
-                    "train_split": image_split("train_split", "train", 2), "val_split": image_split("val_split", "val", 2),
+                    "train_split": image_train_split, "val_split": image_val_split,
                     "test_split": image_test_split, "image_size": image_size, "prefetch_factor": prefetch_factor,
                     "min_crop_scale": min_crop_scale, "mean": normalisation("mean"), "std": normalisation("std")},
 }
@@ -493,3 +523,104 @@ def test_every_knob_of_every_data_module_has_a_check(name):
 @pytest.mark.parametrize("name, knob", [(name, knob) for name in CONFS for knob in sorted(KNOBS[name])])
 def test_each_knob_does_what_it_says(made, files, name, knob):
     KNOBS[name][knob](lambda **knobs: made(name, **knobs), files)
+
+
+# --------------------------------------------------------------------------- the global order on 1, 2 and 3 processes
+# Issue 41's example: N = 1,001 training samples, which divide by neither 2 nor 3 processes. With
+# the global batch kept (G = 6 batches of B: 1 process accumulating 6, 2 accumulating 3, 3
+# accumulating 2), global batch k holds the same samples, cut into the same micro-batches (units
+# of B), whatever the number of processes; the last 1,001 % G of each epoch's order sit it out.
+
+N, B = 1001, 4
+G = 6 * B
+PROCESSES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def thousand_and_one(files, tmp_path_factory) -> Dict[str, tuple]:
+    """case -> (conf, knobs) that make every built-in data module train on N samples of batch B;
+    each sample's inputs tell it apart (token ids 0, 1, 2..., a document of its own words, an
+    image of its own noise)."""
+    import datasets
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("thousand_and_one")
+    image_folder(folder / "images", per_class=N // 2, size=8)
+    Image.fromarray(np.full((8, 8, 3), 7, np.uint8)).save(folder / "images" / "train" / "dark" / "odd.png")
+    word_tokenizer(folder / "words.json", (N + 4) * 16)
+    texts = [" ".join(f"w{16 * doc + word}" for word in range(16)) for doc in range(N + 4)]  # 17 tokens with its end
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:N]}),
+                          "validation": datasets.Dataset.from_dict({"text": texts[N:]})}).save_to_disk(folder / "corpus")
+    synthetic = {"num_train": N, "batch_size": B}
+    return {"classification": ("classification", synthetic), "images": ("images", synthetic),
+            "language_model": ("language_model", synthetic),
+            "tokens_random": ("tokens", {"train_bin": str(files.counting), "samples_per_epoch": N, "batch_size": B}),
+            "tokens_sequential": ("tokens", {"train_bin": str(token_file(folder / "windows.bin", N * 17)),
+                                             "windows": "sequential", "batch_size": B}),
+            "imagefolder": ("imagefolder", {"root": str(folder / "images"), "batch_size": B}),
+            "hf_text": ("hf_text", {"path": str(folder / "corpus"), "tokenizer": str(folder / "words.json"),
+                                    "batch_size": B})}
+
+
+def sample_ids(inputs: torch.Tensor) -> list[str]:
+    """Each sample of a batch by a digest of its inputs' bytes (as tests/helpers/probe.py:SampleIds)."""
+    return [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:12] for row in inputs]
+
+
+def rank_loaders(module: Any, processes: int, epoch: int = 0, position: Any = None) -> list:
+    """Each rank's training loader of `module`, `processes` data-parallel ranks accumulating to G."""
+    loaders = []
+    for rank in range(processes):
+        module.trainer = on_device(processes=processes, rank=rank, accumulation=G // (processes * B), epoch=epoch,
+                                   position=position)
+        loaders.append(module.train_dataloader())
+    return loaders
+
+
+def global_batches(loaders: list) -> list[list[list[str]]]:
+    """The global batches the ranks' loaders serve in one pass, each as its units in order: unit j
+    of a global batch is the (j // D)-th micro-batch of rank j mod D's optimizer step."""
+    processes = len(loaders)
+    accumulation = G // (processes * B)
+    per_rank = [[sample_ids(inputs) for inputs, _ in loader] for loader in loaders]
+    assert len({len(batches) for batches in per_rank}) == 1 and len(per_rank[0]) % accumulation == 0
+    return [[per_rank[unit % processes][step * accumulation + unit // processes] for unit in range(G // B)]
+            for step in range(len(per_rank[0]) // accumulation)]
+
+
+@pytest.mark.parametrize("case", ["classification", "images", "language_model", "tokens_random", "tokens_sequential",
+                                  "imagefolder", "hf_text"])
+def test_1001_samples_give_the_same_global_batches_on_1_2_and_3_processes(made, thousand_and_one, case):
+    name, knobs = thousand_and_one[case]
+    module = made(name, **knobs)
+    alone = global_batches(rank_loaders(module, 1))
+    assert len(alone) == N // G and all(len(unit) == B for batch in alone for unit in batch)
+    served = [sample for batch in alone for unit in batch for sample in unit]
+    if case != "tokens_random":  # random windows are drawn with replacement; every other sample serves at most once
+        assert len(set(served)) == len(served) == N // G * G
+    for processes in PROCESSES[1:]:
+        assert global_batches(rank_loaders(module, processes)) == alone, f"{processes} processes"
+
+
+@pytest.mark.parametrize("case", ["classification", "tokens_random", "tokens_sequential", "imagefolder", "hf_text"])
+def test_a_resumed_position_serves_the_rest_of_its_epoch_and_the_whole_next_one(made, thousand_and_one, case):
+    """A run resumed with 5 global batches of epoch 1 trained (the Position GlobalPosition restores),
+    on 1, 2 or 3 processes: the loaders serve epoch 1's global batches from the 6th on, then every
+    global batch of epoch 2."""
+    from runner.data.order import Position
+
+    name, knobs = thousand_and_one[case]
+    module = made(name, **knobs)
+    uninterrupted = rank_loaders(module, 1, epoch=1)
+    epoch_1 = global_batches(uninterrupted)
+    uninterrupted[0].sampler.set_epoch(2)
+    epoch_2 = global_batches(uninterrupted)
+    assert epoch_2 != epoch_1
+    position = Position()
+    position.epoch, position.samples = 1, 5 * G
+    for processes in PROCESSES:
+        loaders = rank_loaders(module, processes, epoch=1, position=position)
+        assert global_batches(loaders) == epoch_1[5:], f"{processes} processes"
+        for loader in loaders:  # Lightning sets each epoch's number on the loader's sampler
+            loader.sampler.set_epoch(2)
+        assert global_batches(loaders) == epoch_2, f"{processes} processes"

@@ -6,15 +6,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from tests.helpers.commands import command_env
-from tests.helpers.data_files import image_folder, token_file
+from tests.helpers.data_files import image_folder, on_device, token_file
 from runner.data.tokens import TokenFileData
 
 SEQ_LEN = 8
@@ -42,10 +40,19 @@ def test_a_window_is_seq_len_plus_one_consecutive_tokens_as_inputs_and_next_toke
     assert torch.equal(targets[:, -1] - inputs[:, 0], torch.full((4,), SEQ_LEN))
 
 
-def test_sequential_windows_cover_the_file_once_per_epoch_shuffled(token_files):
-    served = starts(data(token_files, windows="sequential").train_dataloader())
-    assert sorted(served) == list(range(0, 1000 - SEQ_LEN, SEQ_LEN + 1))
-    assert served != sorted(served)
+def test_sequential_windows_serve_each_window_at_most_once_per_epoch_shuffled(token_files, monkeypatch):
+    """The file's 111 consecutive windows, shuffled every epoch from (the run's seed, the epoch):
+    at batch 4 an epoch serves the first 108 of its order, and the 3 after sit that epoch out."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    loader = data(token_files, windows="sequential").train_dataloader()
+    left_out = []
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        order = torch.randperm(111, generator=torch.Generator().manual_seed(epoch)) * (SEQ_LEN + 1)
+        served = starts(loader)
+        assert served == order[:108].tolist() and len(set(served)) == 108
+        left_out.append(set(range(0, 1000 - SEQ_LEN, SEQ_LEN + 1)) - set(served))
+    assert len(left_out[0]) == len(left_out[1]) == 3 and left_out[0] != left_out[1]
 
 
 def test_validation_is_every_consecutive_window_in_order(token_files):
@@ -64,25 +71,24 @@ def test_random_windows_start_anywhere_and_change_with_the_epoch_not_the_global_
     assert starts(data(token_files, samples_per_epoch=40).train_dataloader()) != first
 
 
-@pytest.mark.parametrize("windows", ["random", "sequential"])
-def test_ranks_take_disjoint_equal_shares_of_one_epochs_windows(token_files, windows):
-    class Trainer:  # what the data reads of Lightning's trainer
-        current_epoch = 0
-        strategy = SimpleNamespace(root_device=torch.device("cpu"))
+@pytest.mark.parametrize("windows, epoch_windows", [("random", 42), ("sequential", 111)])
+def test_ranks_take_disjoint_equal_shares_of_one_epochs_windows(token_files, windows, epoch_windows, monkeypatch):
+    """2 ranks at batch 4 make the global batch G = 8 that 1 process accumulating 2 batches makes:
+    the epoch's windows (42 random ones, or the file's 111 consecutive ones) are cut to a multiple
+    of 8, in units of 4 (batches), and unit j goes to rank j mod 2."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
 
-        def __init__(self, rank):
-            self.distributed_sampler_kwargs = {"num_replicas": 2, "rank": rank}
+    def units(processes: int, rank=None) -> list:
+        module = data(token_files, windows=windows, samples_per_epoch=42)
+        module.trainer = on_device(processes=processes, rank=rank, accumulation=2 // processes)
+        return [[int(x[0]) for x in inputs] for inputs, _ in module.train_dataloader()]
 
-    whole = data(token_files, windows=windows, samples_per_epoch=40)
-    shares = []
-    for rank in (0, 1):
-        module = data(token_files, windows=windows, samples_per_epoch=40)
-        module.trainer = Trainer(rank)
-        shares.append(starts(module.train_dataloader()))
-    assert len(shares[0]) == len(shares[1])
-    everything = starts(whole.train_dataloader())  # the epoch cut to a multiple of the ranks
-    assert not set(shares[0]) & set(shares[1]) or windows == "random"
-    assert set(shares[0] + shares[1]) <= set(everything) and len(shares[0] + shares[1]) == len(everything) // 2 * 2
+    alone = units(1)
+    shares = [units(2, rank) for rank in (0, 1)]
+    assert sum(map(len, alone)) == epoch_windows // 8 * 8 and all(len(unit) == 4 for unit in alone)
+    assert shares == [alone[0::2], alone[1::2]]
+    if windows == "sequential":  # each window once: the ranks' shares are disjoint
+        assert len({start for unit in alone for start in unit}) == epoch_windows // 8 * 8
 
 
 def test_uint32_files_hold_ids_past_uint16(tmp_path):
@@ -184,13 +190,14 @@ def test_the_shipped_confs_build_on_files(tmp_path):
     token_file(tmp_path / "train.bin", 1000)
     token_file(tmp_path / "val.bin", 100)
     image_folder(tmp_path / "images", per_class=1)
+    # 2 training images: a batch of 2, as an epoch serves only whole global batches.
     files = {"tokens": {"train_bin": str(tmp_path / "train.bin"), "val_bin": str(tmp_path / "val.bin"), "seq_len": 8},
-             "imagefolder": {"root": str(tmp_path / "images"), "image_size": 16, "num_workers": 0}}
+             "imagefolder": {"root": str(tmp_path / "images"), "image_size": 16, "num_workers": 0, "batch_size": 2}}
     for name, knobs in files.items():
         conf = OmegaConf.merge(OmegaConf.load(CONF_DIR / "data" / f"{name}.yaml"), knobs)
         module = hydra.utils.instantiate(conf)
         inputs, targets = next(iter(module.train_dataloader()))
-        assert len(inputs) == len(targets) > 0
+        assert len(inputs) == len(targets) == conf.batch_size
 
 
 @pytest.mark.slow

@@ -108,16 +108,19 @@ def test_the_order_comes_from_the_run_seed_and_the_epoch_not_the_global_rng(file
 
 
 def test_ranks_take_disjoint_equal_shares_of_one_epochs_windows(files):
-    shares = []
-    for rank in (0, 1):
+    """2 ranks at batch 4 make the global batch (8) that 1 process accumulating 2 batches makes:
+    the epoch's windows cut to a multiple of 8, in batches of 4, batch j to rank j mod 2."""
+    def batches(processes: int, rank=None) -> list:
         module = data(files)
-        module.trainer = on_device(processes=2)
-        module.trainer.distributed_sampler_kwargs = {"num_replicas": 2, "rank": rank}
-        shares.append(windows(module.train_dataloader()))
-    everything = windows(data(files).train_dataloader())  # the epoch cut to a multiple of the ranks
-    assert len(shares[0]) == len(shares[1]) == len(everything) // 2
-    assert not {tuple(w) for w in shares[0]} & {tuple(w) for w in shares[1]}
-    assert all(window in everything for window in shares[0] + shares[1])
+        module.trainer = on_device(processes=processes, rank=rank, accumulation=2 // processes)
+        served = windows(module.train_dataloader())
+        return [served[start : start + 4] for start in range(0, len(served), 4)]
+
+    alone, shares = batches(1), [batches(2, rank) for rank in (0, 1)]
+    every_window = consecutive(stream(files, TRAIN))
+    assert sum(map(len, alone)) == len(every_window) // 8 * 8 and shares == [alone[0::2], alone[1::2]]
+    served = [tuple(window) for batch in alone for window in batch]
+    assert len(set(served)) == len(served) and set(served) <= set(map(tuple, every_window))
 
 
 def test_a_loader_resumed_mid_epoch_serves_the_rest_of_the_epoch(files):
