@@ -505,10 +505,10 @@ MUTANTS = [
            (select("tests/test_interrupts.py", "ctrl_c_checkpoints"),)),
     # ------------------------------------------------------------------ five classes of bugs (issue 40)
     # A count over the processes where the data does not divide evenly.
-    Mutant("interval-share-floored", "plan", "the training batches a process reads take a floor of the data's share",
-           "runner/config/checks.py", "math.ceil(math.ceil(num_train / data_parallel_size) / batch_size)",
-           "math.ceil(num_train // data_parallel_size / batch_size)",
-           (select("tests/runner/test_plan.py", "does_not_divide"),)),
+    Mutant("epoch-steps-without-accumulation", "plan", "an epoch's optimizer steps leave the accumulation out",
+           "runner/config/checks.py", "global_batch = processes * batch_size * accumulation",
+           "global_batch = processes * batch_size",
+           (select("tests/runner/test_plan.py", "validation_interval_is_at_most"),)),
     # A home-relative path not expanded where a path is taken.
     Mutant("data-path-home-unexpanded", "paths", "the preflight looks for data files and folders at a literal ~",
            "runner/config/values.py", "path = Path(value).expanduser()", "path = Path(value)",

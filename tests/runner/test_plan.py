@@ -167,6 +167,8 @@ def test_a_run_of_the_wrong_process_count_names_the_devices_that_fix_it(spec_for
 
 @pytest.mark.parametrize("overrides, largest", [
     (["experiment=quickstart", "trainer.devices=2"], 16),  # 2048 samples, 64 a batch: 16 batches a process
+    (["experiment=quickstart", "trainer.devices=2", "strategy=[gradient_merge]", "strategy.gradient_merge.k_steps=2"],
+     8),  # global batches of 2 x 64 x 2
     (["trainer.devices=4", "data.num_train=100", "data.batch_size=8"], 3),  # global batches of 32: 3, and 4 left out
     (["trainer.limit_train_batches=10"], 10),
     (["trainer.limit_train_batches=0.5", "trainer.devices=2"], 8),
