@@ -2,7 +2,10 @@
 data, trainer settings, loggers and checkpointing as `lightfleet experiment=quickstart`, with no
 lightfleet code in the loop (only the built-in model and data classes, which are plain Lightning).
 
-    python bench/handwritten.py --steps 300 --out handwritten-run
+    python bench/handwritten.py --steps 300 --out handwritten-run [--progress-bar]
+
+Its validation cadence is the quickstart's (trainer.val_check_interval: 16), so that both sides do
+the same work; --progress-bar keeps Lightning's default bar on, as a user's script has it.
 """
 import argparse
 
@@ -19,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--progress-bar", action="store_true", help="Lightning's default progress bar on")
     args = parser.parse_args()
 
     pl.seed_everything(0, workers=True, verbose=False)
@@ -27,7 +31,7 @@ def main() -> None:
     data = SyntheticClassificationData(input_shape=[32], num_classes=4, num_train=2048, num_val=512,
                                        batch_size=64, seed=0)
     trainer = pl.Trainer(accelerator="auto", devices=1, max_steps=args.steps, log_every_n_steps=10,
-                         val_check_interval=30, num_sanity_val_steps=0, enable_progress_bar=False,
+                         val_check_interval=16, num_sanity_val_steps=0, enable_progress_bar=args.progress_bar,
                          logger=CSVLogger(args.out, name="", version="csv"),
                          callbacks=[ModelCheckpoint(dirpath=f"{args.out}/checkpoints", save_last=True)],
                          default_root_dir=args.out)

@@ -156,6 +156,38 @@ class StepWindow(pl.Callback):
             Path(self.out).write_text(json.dumps(self.window.figures()))
 
 
+class CallbackClock(pl.Callback):
+    """Times every hook of the run's other callbacks (bench/run.py's HookClock: lightfleet's own,
+    the bar, Lightning's checkpointing) and, at teardown, writes to `out` each one's microseconds per
+    optimizer step and share of the training time (on_train_start to on_train_end): bench/run.py's
+    callbacks benchmark takes it as `+callbacks.clock._target_=bench.throughput.CallbackClock`."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.clocks, self.started, self.training_s = out, {}, 0.0, 0.0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from bench.run import HookClock
+
+        self.clocks = {type(callback).__name__: HookClock(callback, pl.Callback)
+                       for callback in trainer.callbacks if callback is not self}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.training_s = time.perf_counter() - self.started
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        steps = max(trainer.global_step, 1)
+        costs = {name: sum(sum(calls) for calls in clock.durations.values()) for name, clock in self.clocks.items()}
+        Path(self.out).write_text(json.dumps({
+            "steps": steps, "step_ms": self.training_s / steps * 1e3,
+            "callbacks": {name: {"us_per_step": seconds / steps * 1e6, "share": seconds / self.training_s,
+                                 "hooks_us_per_step": {hook: sum(calls) / steps * 1e6
+                                                       for hook, calls in self.clocks[name].durations.items()}}
+                          for name, seconds in costs.items()}}))
+
+
 # --------------------------------------------------------------------------- the hand-written sides
 
 
