@@ -122,7 +122,8 @@ def test_every_step_trains_on_the_samples_of_the_uninterrupted_run(chains, layou
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_4_process_run_had_its_layout(chains, layout):
-    """Not the same layout again: the chain's 4-process run wrote checkpoints of its own world, with the global batch."""
+    """Not the same layout again: the chain's 4-process run wrote checkpoints of its own world,
+    with the same global batch."""
     run, processes, _ = chains[layout][1]
     record = full_checkpoint(run / "checkpoints" / "last.ckpt")["lightfleet"]
     assert record["world"] == {"processes": processes, "nodes": 1, "data_parallel": LAYOUTS[layout].replicas[processes]}
@@ -160,7 +161,8 @@ def relative_l2(got: dict, expected: dict) -> float:
     assert got.keys() == expected.keys()
     tensors = [key for key, value in expected.items() if torch.is_tensor(value) and value.dim()]
     for key in expected.keys() - set(tensors):
-        assert torch.equal(got[key], expected[key]) if torch.is_tensor(expected[key]) else got[key] == expected[key], key
-    difference, norm = (torch.cat([tensor.flatten() for tensor in parts]).norm()
-                        for parts in ([got[key] - expected[key] for key in tensors], [expected[key] for key in tensors]))
+        same = torch.equal if torch.is_tensor(expected[key]) else lambda a, b: a == b
+        assert same(got[key], expected[key]), key
+    difference, norm = (torch.cat([tensor.flatten() for tensor in parts]).norm() for parts in
+                        ([got[key] - expected[key] for key in tensors], [expected[key] for key in tensors]))
     return (difference / norm).item()
