@@ -1,6 +1,10 @@
 """Pipeline parallelism's checkpoint layout: one distributed-checkpoint directory (written by
 Lightning's ModelParallelStrategy) in which every rank keeps its stages' parameters and
-optimizer state under the unsplit model's names, so any rank's keys differ from the others'.
+optimizer state under the unsplit model's names: the ranks of one pipeline write disjoint keys,
+its replicas the same parameters (written once) and, with ZeRO, disjoint shares of the states.
+A rank reads back by name what its stages hold, so a checkpoint loads on any layout: other
+replica counts (ZeRO's shares split or joined again), other stage cuts (docs/reliability.md,
+"Pipeline and tensor-parallel layouts").
 """
 from __future__ import annotations
 
