@@ -186,6 +186,11 @@ class StepsProgressBar(_CountsSteps, TQDMProgressBar):
     counting_since: Optional[Tuple[int, float]] = None  # the step and the time the bar started counting at
 
     @override
+    def on_train_start(self, trainer: "pl.Trainer", *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self.on_train_epoch_start(trainer, *args)  # Lightning does not call it for an epoch resumed midway
+
+    @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
         if not bounded_by_steps(trainer):
             return super().on_train_epoch_start(trainer, *args)

@@ -66,9 +66,15 @@ class GlobalPosition(pl.Callback):
         self.pipeline_micro_batches = pipeline_micro_batches  # a pipeline cuts each loader batch into this many
         self.position = Position()
         self._epoch_start_step = 0
+        self._epoch: Optional[int] = None  # the epoch whose batches are being trained
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_train_epoch_start(trainer, pl_module)  # Lightning does not call it for an epoch resumed midway
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch = trainer.current_epoch
         sampler = train_sampler(trainer)
         trained = self.position.samples_in(trainer.current_epoch)
         global_batch = sampler.global_batch if isinstance(sampler, GlobalOrder) else 1
@@ -86,12 +92,16 @@ class GlobalPosition(pl.Callback):
         global_batch = replicas * loader_batch * trainer.accumulate_grad_batches if loader_batch else None
         micro_batch = loader_batch // self.pipeline_micro_batches if loader_batch else None
         steps = trainer.global_step - self._epoch_start_step
+        # The epoch of the batches trained: Lightning counts an epoch that max_steps ended midway as
+        # done (a checkpoint written as fit ends), and would resume that run in the next epoch.
+        epoch = trainer.current_epoch if self._epoch is None else self._epoch
+        finished = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         checkpoint[RECORD] = {
             "world": {"processes": trainer.world_size, "nodes": trainer.num_nodes, "data_parallel": replicas},
             "batch": {"global": global_batch, "micro": micro_batch,
                       "accumulation": global_batch // (replicas * micro_batch) if global_batch else None,
                       "loader": loader_batch, "accumulate_grad_batches": trainer.accumulate_grad_batches},
-            "data": {"order": "global" if ordered else "loader", "epoch": trainer.current_epoch,
+            "data": {"order": "global" if ordered else "loader", "epoch": epoch, "epoch_finished": finished,
                      "steps_in_epoch": steps, "samples": steps * global_batch if global_batch else None}}
 
     @override
@@ -103,6 +113,11 @@ class GlobalPosition(pl.Callback):
         data = record["data"]
         if data["order"] == "global":
             self.position.epoch, self.position.samples = data["epoch"], data["samples"]
+        epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+        if not data["epoch_finished"] and epochs["current"]["completed"] > data["epoch"]:
+            for counters in (epochs["current"], epochs["total"]):  # as a checkpoint taken midway holds them
+                counters["processed"] -= 1
+                counters["completed"] -= 1
         # Lightning counts batches per rank (in the epoch, and in all: what validation every n
         # steps across epochs counts): those of the steps already trained, at this run's
         # accumulation, so the epoch ends (and validates) at the steps the run's did.
