@@ -234,7 +234,7 @@ def test_the_pipeline_keeps_its_micro_batch_and_changes_its_micro_batches_per_st
 
 
 @pytest.mark.parametrize("saved, devices, working", [((1, 1, 64, 1), 2, "trainer.devices=1"),
-                                                     ((2, 2, 64, 1), 3, "trainer.devices=1 or trainer.devices=2")])
+                                                     ((2, 2, 64, 1), 3, "trainer.devices=1 or 2")])
 def test_a_world_no_whole_accumulation_fits_is_refused_naming_those_that_do(saved_run, saved, devices, working):
     run = saved_run(a_record(*saved), "experiment=quickstart", f"trainer.devices={saved[0]}")
     with pytest.raises(ConfigError, match=rf"^trainer.devices={devices}: the checkpoint's global batch of "

@@ -50,8 +50,9 @@ def keep_global_batch(spec: RunSpec, plan: Plan, checkpoint: CheckpointContents,
         spec, plan, accumulation = kept(spec, plan, record, knob, explicit=knob in typed_keys())
     except Unkept as unkept:
         working = devices_that_work(spec, record, knob)
-        use = f"use {' or '.join(f'trainer.devices={count}' for count in working)}" if working else \
-            "no number of processes does with this micro-batch"
+        counts = [str(count) for count in working]
+        use = f"use trainer.devices={' or '.join(filter(None, [', '.join(counts[:-1]), counts[-1]]))}" if counts \
+            else "no number of processes does with this micro-batch"
         raise ConfigError("trainer.devices", devices, f"{unkept}; {use}") from None
     if another_world or accumulation != record["batch"]["accumulation"]:
         plan.notes.append(world_line(record, plan, micro_batch(spec, record), accumulation, knob))
