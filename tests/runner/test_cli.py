@@ -266,6 +266,7 @@ def test_help_answers_without_torch_lightning_or_hydra_and_lists_the_subcommands
 def test_each_run_dir_subcommand_has_its_help(lightfleet, command):
     done = lightfleet(command, "--help")
     assert done.returncode == 0 and done.stdout.startswith(f"usage: lightfleet {command} RUN_DIR"), done.stderr
+    assert ("trainer.devices=M to go on with M processes" in done.stdout) == (command == "resume")
 
 
 def test_version_names_lightfleets_and_a_misspelt_subcommand_gets_did_you_mean(lightfleet):
