@@ -100,40 +100,40 @@ def test_two_processes_resumed_on_one_keep_the_global_batch(runs):
     done, folder = runs["two"], runs["folder"]
     assert done.returncode == 0, done.stderr[-3000:]
     assert 3 <= runs["two_step"] < 16  # mid-epoch: 2048 samples are 16 global batches of 128
-    assert ("note: resume on another world: 2 processes (2 data-parallel) x micro-batch 64 x accumulation 1 = "
-            "global batch 128 -> 1 process (1 data-parallel) x 64 x 2 (trainer.accumulate_grad_batches=2)"
-            ) in done.stdout.splitlines()
     resumed = folder / "two_resumed"
-    assert yaml.safe_load((resumed / "config.yaml").read_text())["trainer"]["accumulate_grad_batches"] == 2
     assert record(resumed)["world"]["processes"] == 1 and record(resumed)["batch"]["global"] == 128
     assert_same_samples(runs, "two", "full")
     assert epochs(resumed) == {s: e for s, e in epochs(folder / "full").items() if s >= runs["two_step"]}
+    assert ("note: resume on another world: 2 processes (2 data-parallel) x micro-batch 64 x accumulation 1 = "
+            "global batch 128 -> 1 process (1 data-parallel) x 64 x 2 (trainer.accumulate_grad_batches=2)"
+            ) in done.stdout.splitlines()
+    assert yaml.safe_load((resumed / "config.yaml").read_text())["trainer"]["accumulate_grad_batches"] == 2
 
 
 @pytest.mark.slow
 def test_one_process_resumed_on_two_keeps_the_global_batch(runs):
     done, folder = runs["one"], runs["folder"]
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "note: resume on another world: 1 process (1 data-parallel) x micro-batch 64 x accumulation 2 = " \
-           "global batch 128 -> 2 processes (2 data-parallel) x 64 x 1 (trainer.accumulate_grad_batches=1)" in done.stdout
     resumed = folder / "one_resumed"
     assert record(resumed)["world"]["processes"] == 2 and record(resumed)["batch"]["global"] == 128
     assert_same_samples(runs, "one", "full")
     assert epochs(resumed) == {s: e for s, e in epochs(folder / "full").items() if s >= runs["one_step"]}
+    assert "note: resume on another world: 1 process (1 data-parallel) x micro-batch 64 x accumulation 2 = " \
+           "global batch 128 -> 2 processes (2 data-parallel) x 64 x 1 (trainer.accumulate_grad_batches=1)" in done.stdout
 
 
 @pytest.mark.slow
 def test_sharding_stage_3_resumed_on_two_ends_the_epoch_where_the_uninterrupted_run_does(runs):
     done, folder = runs["one_sharded"], runs["folder"]
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "(strategy.sharding.gradient_merge_acc_step=1)" in done.stdout
     resumed = folder / "one_sharded_resumed"
-    assert yaml.safe_load((resumed / "config.yaml").read_text())["strategy"]["sharding"]["gradient_merge_acc_step"] == 1
-    assert_same_samples(runs, "one_sharded", "full_sharded")
     # The epoch ends at step 16 (2048 samples in global batches of 128), as in the uninterrupted run.
     logged = epochs(resumed)
     assert logged == {s: e for s, e in epochs(folder / "full_sharded").items() if s >= runs["one_sharded_step"]}
     assert logged[15] == 0 and logged[16] == 1
+    assert_same_samples(runs, "one_sharded", "full_sharded")
+    assert "(strategy.sharding.gradient_merge_acc_step=1)" in done.stdout
+    assert yaml.safe_load((resumed / "config.yaml").read_text())["strategy"]["sharding"]["gradient_merge_acc_step"] == 1
 
 
 @pytest.mark.slow
