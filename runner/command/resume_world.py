@@ -32,12 +32,13 @@ def keep_global_batch(spec: RunSpec, plan: Plan, checkpoint: CheckpointContents,
     record, devices = checkpoint.record, spec.trainer.devices
     if plan.data_parallel_size is None:  # trainer.devices=auto: Lightning counts the processes once they start
         return spec, plan
-    if record is None or record["batch"]["global"] is None:
+    if record is None or record["batch"]["global"] is None:  # where it stands is known on its own world only
         before = written_on(path)
-        require(before is None or before == world_of(plan), "trainer.devices", devices,
-                f"ckpt_path {path} holds no record of its global batch (written before lightfleet kept one, or by a "
-                f"loader without a batch_size): its position in the epoch is per rank, for the {before[0]} "
-                f"process(es) of its run; resume it on those" if before else "")
+        if before is not None and before != world_of(plan):
+            raise ConfigError("trainer.devices", devices, f"ckpt_path {path} holds no record of its global batch "
+                              f"(written before lightfleet kept one, or by a loader without a batch_size): its "
+                              f"position in the epoch is per rank, for the {before[0]} process(es) of its run; "
+                              f"resume it on those")
         return spec, plan
     old = record["world"]
     another_world = (old["processes"], old["data_parallel"]) != world_of(plan)
