@@ -266,3 +266,15 @@ def test_a_position_per_rank_is_refused_on_another_world(saved_run, tmp_path):
                                           r"position in the epoch is per rank, for the 2 process\(es\) of its run"):
         resumed(run, "trainer.devices=1")
     assert resumed(run).start_step == 4
+
+
+def test_processes_on_several_nodes_count_in_all(saved_run, monkeypatch):
+    for variable, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("NODE_RANK", "0")):
+        monkeypatch.setenv(variable, value)
+    run = saved_run(a_record(2, 2, 64, 1), "experiment=quickstart", "trainer.devices=2")
+    on_two_nodes = resumed(run, "trainer.devices=1", "trainer.num_nodes=2")  # the same 2 processes
+    assert on_two_nodes.spec.trainer.accumulate_grad_batches == 1
+    assert not any("another world" in note for note in on_two_nodes.plan.notes)
+    with pytest.raises(ConfigError, match=r"^trainer.devices=2: .* no whole multiple of 4 data-parallel process\(es\) "
+                                          r"x micro-batch 64; use trainer.devices=1 \(per node, on 2 nodes\)$"):
+        resumed(run, "trainer.devices=2", "trainer.num_nodes=2")

@@ -52,8 +52,10 @@ def keep_global_batch(spec: RunSpec, plan: Plan, checkpoint: CheckpointContents,
     except Unkept as unkept:
         working = devices_that_work(spec, record, knob)
         counts = [str(count) for count in working]
-        use = f"use trainer.devices={' or '.join(filter(None, [', '.join(counts[:-1]), counts[-1]]))}" if counts \
-            else "no number of processes does with this micro-batch"
+        nodes = spec.trainer.num_nodes
+        use = (f"use trainer.devices={' or '.join(filter(None, [', '.join(counts[:-1]), counts[-1]]))}"
+               f"{f' (per node, on {nodes} nodes)' if nodes > 1 else ''}" if counts
+               else "no number of processes does with this micro-batch")
         raise ConfigError("trainer.devices", devices, f"{unkept}; {use}") from None
     if another_world or accumulation != record["batch"]["accumulation"]:
         plan.notes.append(world_line(record, plan, micro_batch(spec, record), accumulation, knob))
