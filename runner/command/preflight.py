@@ -263,8 +263,8 @@ STAGES = (
           table),
     Stage("checkpoint", "ckpt_path exists, its bytes match its manifest (sha256; damaged or truncated: "
           "refused naming the newest intact checkpoint beside it; none: read, with a note in the plan), it loads as data "
-          "only (torch's weights-only unpickler: a pickle that calls code is refused) (`last`: the newest "
-          "last.ckpt of the same experiment and model under paths.root_dir, named in one line); unless "
+          "only (torch's weights-only unpickler: a pickle that calls code is refused); `last` is the newest "
+          "last.ckpt of the same experiment and model under paths.root_dir, named in one line; unless "
           "evaluating, its step is below trainer.max_steps (a finished run resumed trains nothing); its record "
           "of the world and global batch it was written with is read for the plan", checkpoint),
     Stage("plan", "the strategies' contributions combined: one claim per exclusive slot, trainer arguments "
