@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from runner.config.checks import RunSpec
+    from runner.records.run_dir import CheckpointContents
 
 
 @dataclass
@@ -39,12 +40,14 @@ class Flight:
     model: Any = None  # the user's model built on the meta device (None: its constructor needs real tensors)
     datamodule: Any = None  # the user's data module (None: its constructor needs real tensors)
     start_step: Optional[int] = None  # the step ckpt_path was saved at (None: no ckpt_path)
+    checkpoint: Optional["CheckpointContents"] = None  # what ckpt_path holds (None: no ckpt_path)
     notes: List[str] = field(default_factory=list)  # what the stages before the plan have to say in it
 
     def for_the_job(self) -> "Flight":
-        """What the job takes: the checked config, plan and start step (the meta-device model and
-        the data module stay here: a launcher may carry the flight to another process)."""
-        return replace(self, model=None, datamodule=None)
+        """What the job takes: the checked config, plan and start step (the meta-device model, the
+        data module and the checkpoint's contents stay here: a launcher may carry the flight to
+        another process)."""
+        return replace(self, model=None, datamodule=None, checkpoint=None)
 
 
 @dataclass(frozen=True)
@@ -110,9 +113,13 @@ def table(flight: Flight) -> None:
 
 def plan(flight: Flight) -> None:
     from runner.command.planning import plan_for
+    from runner.command.resume_world import keep_global_batch
     from runner.config.checks import check_epoch
 
     flight.plan = plan_for(flight.spec)
+    if flight.checkpoint is not None and not flight.spec.cfg.evaluate:
+        flight.spec, flight.plan = keep_global_batch(flight.spec, flight.plan, flight.checkpoint,
+                                                     Path(flight.spec.cfg.ckpt_path))
     check_epoch(flight.spec, flight.plan)
     flight.plan.notes[:0] = flight.notes  # first, as the selection is the plan's first line
 
@@ -177,21 +184,26 @@ def plan_on_the_model(flight: Flight) -> None:
 def checkpoint(flight: Flight) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.records.run_dir import check_weights_fit, find_checkpoint, verified_contents
+    from runner.records.run_dir import find_checkpoint, verified_contents
 
     run = flight.spec.cfg
     if run.ckpt_path is not None:  # relative to where the command ran, also after hydra.job.chdir
         path = find_checkpoint(run, Path(HydraConfig.get().runtime.cwd))
-        contents, unverified = verified_contents(path, run.evaluate)
-        if flight.model is not None:
-            check_weights_fit(path, contents, flight.model)
+        flight.checkpoint, unverified = verified_contents(path, run.evaluate)
         run.ckpt_path = str(path)
-        saved, steps = contents.step, run.trainer.max_steps
+        saved, steps = flight.checkpoint.step, run.trainer.max_steps
         require(run.evaluate or steps is None or steps < 0 or saved < steps, "trainer.max_steps", steps,
                 f"ckpt_path {path} was saved at step {saved}: nothing is left to train; raise it "
                 f"(e.g. trainer.max_steps={2 * max(saved, 1)})")
         flight.start_step = saved
-        flight.plan.notes += [unverified] if unverified else []
+        flight.notes += [unverified] if unverified else []
+
+
+def checkpoint_on_the_model(flight: Flight) -> None:
+    from runner.records.run_dir import check_weights_fit
+
+    if flight.checkpoint is not None and flight.model is not None:
+        check_weights_fit(Path(flight.spec.cfg.ckpt_path), flight.checkpoint, flight.model)
 
 
 def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:
@@ -249,12 +261,21 @@ STAGES = (
           "pipeline", cross_field_rules),
     Stage("table", "the selected strategies (also an experiment's, or geo's localsgd) against conf/compat.yaml",
           table),
+    Stage("checkpoint", "ckpt_path exists, its bytes match its manifest (sha256; damaged or truncated: "
+          "refused naming the newest intact checkpoint beside it; none: read, with a note in the plan), it loads as data "
+          "only (torch's weights-only unpickler: a pickle that calls code is refused); `last` is the newest "
+          "last.ckpt of the same experiment and model under paths.root_dir, named in one line; unless "
+          "evaluating, its step is below trainer.max_steps (a finished run resumed trains nothing); its record "
+          "of the world and global batch it was written with is read for the plan", checkpoint),
     Stage("plan", "the strategies' contributions combined: one claim per exclusive slot, trainer arguments "
           "against the user's, degrees against the world size, the collective knobs against the trainer, "
           "pipeline schedules against the backend and gradient clipping, the fast path against the strategies "
           "(compile, the fused optimizer) and the device (the attention kernel); where the data's config says "
           "its size (the built-in synthetic data), an epoch of at least one global batch and a count in "
-          "trainer.val_check_interval within an epoch's optimizer steps", plan),
+          "trainer.val_check_interval within an epoch's optimizer steps; resuming ckpt_path on another number of "
+          "processes, the accumulation that keeps its global batch, set through the strategies' knob (refused "
+          "where none does, naming the process counts that do; refused for a checkpoint whose position is per "
+          "rank: runner/command/resume_world.py)", plan),
     Stage("world and devices", "multi-node rendezvous variables; the accelerator and devices this machine "
           "has (GPU count and ids, device ids on CPU)", world_and_devices),
     Stage("targets and the model on the meta device", "the model and the data are a LightningModule and a "
@@ -268,12 +289,8 @@ STAGES = (
     Stage("the plan on the model", "the plan's model transforms (module names of recompute and amp, pipeline "
           "split points, blocks enough for the stages and a loss()), its optimizer replacement (the optimizer "
           "family lars, lamb and dgc need) and the model's optimizer's own arguments (a negative learning rate) on the meta-device model", plan_on_the_model),
-    Stage("checkpoint", "ckpt_path exists, its bytes match its manifest (sha256; damaged or truncated: "
-          "refused naming the newest intact checkpoint beside it; none: read, with a note in the plan), it loads as data "
-          "only (torch's weights-only unpickler: a pickle that calls code is refused) and its weights fit the "
-          "meta-device model (`last`: the newest "
-          "last.ckpt of the same experiment and model under paths.root_dir, named in one line); unless "
-          "evaluating, its step is below trainer.max_steps (a finished run resumed trains nothing)", checkpoint),
+    Stage("the checkpoint on the model", "ckpt_path's weights fit the meta-device model (names and shapes)",
+          checkpoint_on_the_model),
     Stage("directories", "the run or sweep directory: named, writable, not a file, not inside a run, not "
           "holding a run or sweep; a checkpoint callback's dirpath not a file; taken by this command in one "
           "atomic step (its owner.yaml, with a node's or rank's record subdirectory), refused while another "

@@ -27,7 +27,9 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
 RUN_DIR_HELP = {
     "resume": "Continue the run in RUN_DIR from RUN_DIR/checkpoints/last.ckpt, with the config it saved, "
               "into a new run directory (overrides after it change it, e.g. trainer.max_steps=2000 to train "
-              "longer: a finished run has nothing left to train). A run stopped before its first checkpoint "
+              "longer: a finished run has nothing left to train; trainer.devices=M to go on with M processes: the "
+              "accumulation is set to keep the checkpoint's global batch, or the command names the process counts "
+              "that can). A run stopped before its first checkpoint "
               "starts again from its config. With a sweep's directory: continue the sweep there, with its "
               "command line and launcher: its stopped jobs from their checkpoints, those never started from "
               "the start; finished jobs are kept.",

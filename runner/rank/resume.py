@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from plugins.ranks import gather, own
 from runner.data.order import GlobalOrder, Position
+from runner.records.run_dir import RECORD
 
 
 class RandomStates(pl.Callback):
@@ -127,9 +128,6 @@ class GlobalPosition(pl.Callback):
         for counters, steps in trained:
             for name in counters:
                 counters[name] += steps * more
-
-
-RECORD = "lightfleet"  # the checkpoint's key of GlobalPosition's record
 
 
 def train_sampler(trainer: pl.Trainer) -> Any:

@@ -184,10 +184,14 @@ def saved_at(checkpoint: Path) -> float:
     return (checkpoint / _METADATA_FILENAME if checkpoint.is_dir() else checkpoint).stat().st_mtime
 
 
+RECORD = "lightfleet"  # a checkpoint's key of the record runner/rank/resume.py:GlobalPosition writes
+
+
 @dataclass(frozen=True)
 class CheckpointContents:
     step: int  # the global step it was saved at
     weights: Dict[str, Optional[Tuple[int, ...]]]  # the model's state dict: names and shapes (None: not a tensor)
+    record: Optional[Dict[str, Any]] = None  # where it stands: world, global batch, position (None: written before it)
 
 
 def checkpoint_contents(checkpoint: Path) -> CheckpointContents:
@@ -211,7 +215,7 @@ def checkpoint_contents(checkpoint: Path) -> CheckpointContents:
             meta = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
             weights = {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
                        for key, value in meta["state_dict"].items()}
-        return CheckpointContents(int(meta["global_step"]), weights)
+        return CheckpointContents(int(meta["global_step"]), weights, meta.get(RECORD))
     except pickle.UnpicklingError as error:  # torch's weights-only unpickler met something other than data
         needs = re.search(r"GLOBAL ([\w.]+)", str(error))
         raise ConfigError("ckpt_path", str(checkpoint), f"needs more than data to load "

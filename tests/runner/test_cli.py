@@ -116,13 +116,13 @@ def test_a_bad_count_or_path_of_the_built_in_model_and_data_is_refused_before_to
 
 
 def test_a_validation_interval_longer_than_each_processs_epoch_is_refused_before_lightning(lightfleet):
-    """2048 samples in batches of 64 are 16 batches a process in 2 processes: Lightning would refuse
-    an interval of 30 in every rank once they had started."""
+    """2048 samples in global batches of 2 x 64 are 16 optimizer steps an epoch (the interval counts
+    optimizer steps): Lightning would refuse an interval of 30 in every rank once they had started."""
     command = ("experiment=quickstart", "trainer.devices=2", "trainer.val_check_interval=30")
     assert_one_line_error(lightfleet(*command), "lightfleet: error: trainer.val_check_interval=30: more than the 16 "
-                          "training batches each of the 2 data-parallel process(es) reads per epoch (data.num_train=2048 "
-                          "in batches of data.batch_size=64): at most 16, or trainer.check_val_every_n_epoch=null to "
-                          "count batches across epochs")
+                          "optimizer steps of an epoch (data.num_train=2048 in global batches of 128 = 2 data-parallel "
+                          "process(es) x data.batch_size=64 x 1 accumulated): at most 16, or "
+                          "trainer.check_val_every_n_epoch=null to count steps across epochs")
     assert decide_in_process(*command, heavy=("pytorch_lightning", "lightning_fabric")) == ""
 
 
@@ -266,6 +266,7 @@ def test_help_answers_without_torch_lightning_or_hydra_and_lists_the_subcommands
 def test_each_run_dir_subcommand_has_its_help(lightfleet, command):
     done = lightfleet(command, "--help")
     assert done.returncode == 0 and done.stdout.startswith(f"usage: lightfleet {command} RUN_DIR"), done.stderr
+    assert ("trainer.devices=M to go on with M processes" in done.stdout) == (command == "resume")
 
 
 def test_version_names_lightfleets_and_a_misspelt_subcommand_gets_did_you_mean(lightfleet):
