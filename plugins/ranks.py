@@ -52,9 +52,13 @@ def own(ranks: List[Any], what: str, rule: Rule, group: Optional[dist.ProcessGro
     if len(ranks) == size:
         return ranks[rank]
     if rank == 0:
-        log.info(f"lightfleet: the checkpoint holds the {what} of {len(ranks)} ranks, this run has {size}: "
+        log.info(f"lightfleet: the checkpoint holds the {what} of {_ranks(len(ranks))}, this run has {size}: "
                  f"{rule.says}")
     return rule.take(ranks, rank)
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank" if count == 1 else f"{count} ranks"
 
 
 def mean(pieces: Sequence[Any], where: str = "state") -> Any:

@@ -1,0 +1,148 @@
+"""Resume on another number of processes: the state that differs between ranks follows each
+strategy's stated rule (docs/reliability.md#resume-on-another-number-of-processes), never rank 0's
+alone. One chain of real runs per row: 2 processes for 10 steps, resumed on 1 for 10 more, then on
+2 again for 10 more, the global batch of 128 kept by hand (trainer.accumulate_grad_batches=2 on
+1 process) until the resume chooses it itself. What every rank starts from is read off
+tests/helpers/rank_rules.py:StartState and held against the rule, computed here from the
+checkpoint it resumed from."""
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+SEED = 0  # conf/config.yaml's
+PROBE = ("+callbacks.start._target_=tests.helpers.rank_rules.StartState", "trainer.limit_val_batches=0")
+# The worlds of the chain: (run directory, processes, Lightning's accumulation), each resumed from the one before.
+WORLDS = (("two", 2, 1), ("one", 1, 2), ("again", 2, 1))
+
+
+class Chain:
+    """A chain of WORLDS' runs under `root`: run directories, consoles, checkpoints and start states."""
+
+    def __init__(self, lightfleet_in, root: Path, *overrides: str) -> None:
+        self.root = root
+        self.consoles: Dict[str, str] = {}
+        for index, (name, processes, accumulation) in enumerate(WORLDS):
+            world = (f"trainer.devices={processes}", f"trainer.accumulate_grad_batches={accumulation}",
+                     f"trainer.max_steps={STEPS * (index + 1)}", f"paths.output_dir={name}")
+            if index == 0:
+                done = lightfleet_in(root, *overrides, *PROBE, *world)
+            else:
+                done = lightfleet_in(root, "resume", WORLDS[index - 1][0], *world)
+            assert done.returncode == 0, done.stderr[-3000:]
+            self.consoles[name] = done.stdout + done.stderr
+
+    def checkpoint(self, run: str) -> dict:
+        """The last checkpoint of `run`, which the next world resumed from."""
+        return torch.load(self.root / run / "checkpoints" / "last.ckpt", weights_only=False)
+
+    def starts(self, run: str) -> List[dict]:
+        """What each rank of `run` started training from, in rank order."""
+        paths = sorted((self.root / run).glob("start.rank*.pt"))
+        return [torch.load(path, weights_only=False) for path in paths]
+
+    def resumes(self):
+        """(resumed run, the checkpoint it resumed from, its ranks' start states) for 2 -> 1 and 1 -> 2."""
+        for (before, *_), (run, processes, _) in zip(WORLDS, WORLDS[1:]):
+            starts = self.starts(run)
+            assert len(starts) == processes
+            yield run, self.checkpoint(before), starts
+
+
+def callback_state(checkpoint: dict, name: str) -> dict:
+    (state,) = [state for key, state in checkpoint["callbacks"].items() if key.startswith(name)]
+    return state
+
+
+def assert_tensors_close(got, expected, where: str) -> None:
+    """Nested dicts and lists alike, their tensors equal to float32's rounding (a mean of two)."""
+    if isinstance(expected, dict):
+        assert got.keys() == expected.keys(), where
+        for key in expected:
+            assert_tensors_close(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for index, (mine, theirs) in enumerate(zip(got, expected)):
+            assert_tensors_close(mine, theirs, f"{where}[{index}]")
+    elif isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(got, expected, msg=where)
+    else:
+        assert got == expected, where
+
+
+def halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return (first + second) / 2
+
+
+def assert_rule_announced(chain: Chain, what: str) -> None:
+    """Each resume on another world says the rule once, in a lightfleet line, never as a raw warning."""
+    for run, *_ in chain.resumes():
+        console = chain.consoles[run]
+        lines = [line for line in console.splitlines() if f"holds the {what} of" in line]
+        # The line as rank 0 writes it: the agent puts [rank0]: before it on the console.
+        assert len(lines) == 1 and re.match(r"(\[rank0\]:)?lightfleet: ", lines[0]), console[-3000:]
+        assert "UserWarning" not in console, console[-3000:]
+
+
+def assert_generators_rederived(chain: Chain) -> None:
+    """Random generators: every rank's re-derived from (run seed, global step, rank) through
+    numpy's SeedSequence (torch's, Python's and numpy's seeds its first three words), so that no
+    two ranks draw alike and none takes rank 0's saved states."""
+    for run, checkpoint, starts in chain.resumes():
+        saved = callback_state(checkpoint, "RandomStates")["ranks"]
+        for rank, start in enumerate(starts):
+            torch_seed, python_seed, numpy_seed = np.random.SeedSequence(
+                [SEED, start["global_step"], rank]).generate_state(3)
+            assert torch.equal(start["torch"], torch.Generator().manual_seed(int(torch_seed)).get_state()), (run, rank)
+            assert start["python"] == random.Random(int(python_seed)).getstate(), (run, rank)
+            assert np.array_equal(start["numpy"][1], np.random.RandomState(int(numpy_seed)).get_state()[1]), (run, rank)
+            assert not any(torch.equal(start["torch"], old["torch"]) for old in saved), (run, rank)
+        if len(starts) > 1:
+            assert not torch.equal(starts[0]["torch"], starts[1]["torch"]), run
+
+
+# ------------------------------------------------------------------ dgc, on a model with batch norm
+
+
+@pytest.fixture(scope="module")
+def dgc_batch_norm(lightfleet_in, tmp_path_factory) -> Chain:
+    return Chain(lightfleet_in, tmp_path_factory.mktemp("dgc"), "model=resnet", "data=images", "strategy=[dgc]")
+
+
+def test_dgc_every_rank_takes_the_mean_of_the_old_ranks_momentum_and_residual(dgc_batch_norm):
+    """(1/N) sum_r v_r, the update the ranks have yet to send, is what it was: on 1 process the
+    mean of the 2 ranks' buffers; on 2 again, the one rank's buffers on both."""
+    for run, checkpoint, starts in dgc_batch_norm.resumes():
+        old = callback_state(checkpoint, "DGCCheckpoint")["ranks"]
+        if len(old) == 2:  # the two ranks' residuals differ: their mean is no rank's own
+            assert not torch.equal(old[0]["buffers"]["head.weight"]["residual"], old[1]["buffers"]["head.weight"]["residual"])
+        expected = {name: {key: sum(rank["buffers"][name][key] for rank in old) / len(old)
+                           for key in ("momentum", "residual")} for name in old[0]["buffers"]}
+        for start in starts:
+            assert start["dgc"]["step"] == old[0]["step"] == start["global_step"], run
+            assert_tensors_close(start["dgc"]["buffers"], expected, run)
+    assert_rule_announced(dgc_batch_norm, "dgc residuals and momentum")
+
+
+def test_batch_norm_every_rank_starts_from_the_checkpoints_statistics_rank_0s(dgc_batch_norm):
+    """The running statistics are buffers that DDP sends from rank 0 to every rank before each
+    forward (broadcast_buffers): the checkpoint holds rank 0's, which every rank of the new world
+    starts from, and which DDP goes on sending."""
+    for run, checkpoint, starts in dgc_batch_norm.resumes():
+        statistics = {name: value for name, value in checkpoint["state_dict"].items()
+                      if "running_" in name}
+        assert statistics
+        for start in starts:
+            assert start["buffers"].keys() == statistics.keys()
+            for name, value in statistics.items():
+                assert torch.equal(start["buffers"][name], value), (run, name)
+    assert_generators_rederived(dgc_batch_norm)
