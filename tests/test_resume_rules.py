@@ -83,9 +83,9 @@ def halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return (first + second) / 2
 
 
-def assert_rule_announced(chain: Chain, what: str) -> None:
-    """Each resume on another world says the rule once, in a lightfleet line, never as a raw warning."""
-    for run, *_ in chain.resumes():
+def assert_rule_announced(chain: Chain, what: str, runs=tuple(run for run, *_ in WORLDS[1:])) -> None:
+    """Each resume of `runs` says the rule once, in a lightfleet line, never as a raw warning."""
+    for run in runs:
         console = chain.consoles[run]
         lines = [line for line in console.splitlines() if f"holds the {what} of" in line]
         # The line as rank 0 writes it: the agent puts [rank0]: before it on the console.
@@ -146,3 +146,45 @@ def test_batch_norm_every_rank_starts_from_the_checkpoints_statistics_rank_0s(dg
             for name, value in statistics.items():
                 assert torch.equal(start["buffers"][name], value), (run, name)
     assert_generators_rederived(dgc_batch_norm)
+
+
+# ------------------------------------------------------------------ localsgd, adaptive_localsgd
+
+# At step 10 every rank holds a replica of its own: localsgd averaged after steps 5 and 9 (k = 4
+# from step 1), adaptive_localsgd goes local after step 7 and averages first after step 11.
+LOCAL_SGD = {"localsgd": ("strategy.localsgd.k_steps=4",),
+             "adaptive_localsgd": ("strategy.adaptive_localsgd.init_k_steps=4", "strategy.adaptive_localsgd.begin_step=7")}
+COUNTERS = {"localsgd": ("syncs",), "adaptive_localsgd": ("syncs", "k_steps", "lr0", "loss0", "next_average_step")}
+
+
+@pytest.fixture(scope="module", params=sorted(LOCAL_SGD))
+def local_sgd(request, lightfleet_in, tmp_path_factory) -> tuple:
+    name = request.param
+    return name, Chain(lightfleet_in, tmp_path_factory.mktemp(name), "experiment=quickstart", f"strategy=[{name}]",
+                       *LOCAL_SGD[name])
+
+
+def test_local_sgd_every_rank_starts_from_the_average_of_the_replicas(local_sgd):
+    """What the next averaging would have given: 2 -> 1, the mean of the 2 replicas' parameters
+    and optimizer state; 1 -> 2, the one process's model on both ranks; the averaging counters
+    (and adaptive's period, first loss and learning rate, next averaging step) carried."""
+    name, chain = local_sgd
+    for run, checkpoint, starts in chain.resumes():
+        state = callback_state(checkpoint, "ModelAveraging" if name == "localsgd" else "AdaptiveModelAveraging")
+        replicas = state.get("replicas")
+        if replicas:
+            first, second = (replica["parameters"] for replica in replicas)
+            assert any(not torch.equal(first[key], second[key]) for key in first)  # each rank's own
+            parameters = {key: halves(first[key], second[key]) for key in first}
+            optimizer = {index: {key: halves(*(replica["optimizer"]["state"][index][key] for replica in replicas))
+                                 for key in entry} for index, entry in replicas[0]["optimizer"]["state"].items()}
+        else:  # one process: its model is the one replica
+            parameters = {key: value for key, value in checkpoint["state_dict"].items()}
+            optimizer = checkpoint["optimizer_states"][0]["state"]
+        for start in starts:
+            assert_tensors_close(start["parameters"], parameters, run)
+            assert_tensors_close(start["optimizer"]["state"], optimizer, run)
+            for counter in COUNTERS[name]:
+                assert start["averaging"][counter] == state[counter], (run, counter)
+    assert_rule_announced(chain, "local replicas", ["one"])  # a 1-process checkpoint holds no replicas
+    assert_generators_rederived(chain)
