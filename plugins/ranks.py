@@ -73,7 +73,7 @@ def mean(pieces: Sequence[Any], where: str = "state") -> Any:
     if isinstance(first, (list, tuple)):
         parts = [mean(part, f"{where}[{index}]") for index, part in enumerate(zip(*pieces, strict=True))]
         return tuple(parts) if isinstance(first, tuple) else parts
-    same = (lambda piece: torch.equal(piece, first)) if isinstance(first, torch.Tensor) else (lambda piece: piece == first)
-    if not all(same(piece) for piece in pieces[1:]):
+    tensor = isinstance(first, torch.Tensor)
+    if not all(torch.equal(piece, first) if tensor else piece == first for piece in pieces[1:]):
         raise ValueError(f"{where} differs between the checkpoint's ranks: {list(pieces)}")
     return first

@@ -131,7 +131,8 @@ def test_dgc_every_rank_takes_the_mean_of_the_old_ranks_momentum_and_residual(dg
     for run, checkpoint, starts in dgc_batch_norm.resumes():
         old = callback_state(checkpoint, "DGCCheckpoint")["ranks"]
         if len(old) == 2:  # the two ranks' residuals differ: their mean is no rank's own
-            assert not torch.equal(old[0]["buffers"]["head.weight"]["residual"], old[1]["buffers"]["head.weight"]["residual"])
+            first, second = (rank["buffers"]["head.weight"]["residual"] for rank in old)
+            assert not torch.equal(first, second)
         expected = {name: {key: sum(rank["buffers"][name][key] for rank in old) / len(old)
                            for key in ("momentum", "residual")} for name in old[0]["buffers"]}
         for start in starts:
@@ -160,7 +161,8 @@ def test_batch_norm_every_rank_starts_from_the_checkpoints_statistics_rank_0s(dg
 # At step 10 every rank holds a replica of its own: localsgd averaged after steps 5 and 9 (k = 4
 # from step 1), adaptive_localsgd goes local after step 7 and averages first after step 11.
 LOCAL_SGD = {"localsgd": ("strategy.localsgd.k_steps=4",),
-             "adaptive_localsgd": ("strategy.adaptive_localsgd.init_k_steps=4", "strategy.adaptive_localsgd.begin_step=7")}
+             "adaptive_localsgd": ("strategy.adaptive_localsgd.init_k_steps=4",
+                                   "strategy.adaptive_localsgd.begin_step=7")}
 COUNTERS = {"localsgd": ("syncs",), "adaptive_localsgd": ("syncs", "k_steps", "lr0", "loss0", "next_average_step")}
 
 
