@@ -91,13 +91,16 @@ def halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 
 
 def assert_rule_announced(chain: Chain, what: str, runs=tuple(run for run, *_ in WORLDS[1:])) -> None:
-    """Each resume of `runs` says the rule once, in a lightfleet line, never as a raw warning."""
+    """Each resume of `runs` says the rule once, in a lightfleet line on the console and in the
+    job's log, never as a raw warning."""
     for run in runs:
         console = chain.consoles[run]
         lines = [line for line in console.splitlines() if f"holds the {what} of" in line]
         # The line as rank 0 writes it: the agent puts [rank0]: before it on the console.
         assert len(lines) == 1 and re.match(r"(\[rank0\]:)?lightfleet: ", lines[0]), console[-3000:]
         assert "UserWarning" not in console, console[-3000:]
+        log = (chain.root / run / "lightfleet.log").read_text()  # the job's log, every rank's lines
+        assert log.count(f"holds the {what} of") == 1, log[-3000:]
 
 
 def assert_generators_rederived(chain: Chain) -> None:
