@@ -32,8 +32,8 @@ def build_hook(begin_step: int) -> Tuple[PostLocalSGDState, Callable]:
 class LocalSGDCallback(pl.Callback):
     """What local-SGD callbacks share: once training starts, line up the hook's iteration count
     with `trainer.global_step`; after each optimizer step (not after accumulating micro-batches),
-    call `after_optimizer_step` and log `localsgd_syncs`. Does nothing in a single process.
-    The knobs come checked by the strategies' dataclasses (runner/strategies/localsgd.py,
+    call `after_optimizer_step` and log `localsgd_syncs`. In a single process it only takes a
+    checkpoint's replicas (below). The knobs come checked by the strategies' dataclasses (runner/strategies/localsgd.py,
     adaptive_localsgd.py), where their ranges live.
 
     Between averagings every rank trains a replica of its own, and a checkpoint holds them all.
