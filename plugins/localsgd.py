@@ -33,8 +33,8 @@ class LocalSGDCallback(pl.Callback):
     """What local-SGD callbacks share: once training starts, line up the hook's iteration count
     with `trainer.global_step`; after each optimizer step (not after accumulating micro-batches),
     call `after_optimizer_step` and log `localsgd_syncs`. In a single process it only takes a
-    checkpoint's replicas (below). The knobs come checked by the strategies' dataclasses (runner/strategies/localsgd.py,
-    adaptive_localsgd.py), where their ranges live.
+    checkpoint's replicas (below). The knobs come checked by the strategies' dataclasses
+    (runner/strategies/localsgd.py, adaptive_localsgd.py), where their ranges live.
 
     Between averagings every rank trains a replica of its own, and a checkpoint holds them all.
     Resumed on another number of processes (one included), every rank starts from their average,
