@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from plugins.dgc_compression import index_dtype, select
 from plugins.dgc_state import OPTIMIZER_KEY, DGCState
-from plugins.ranks import gather, own
+from plugins.ranks import averaged, gather, own
 from runner.core.contribution import NEEDED_OPTIMIZER
 from runner.core.errors import ConfigError
 
@@ -137,8 +137,15 @@ class DGCCheckpoint(pl.Callback):
     The residuals differ between ranks, and only rank 0 writes the checkpoint, so `state_dict()`
     gathers all ranks' states (Lightning builds the checkpoint on every rank). Lightning restores
     callbacks before the strategy wraps the model in DDP and creates the hook state, so the loaded
-    state waits until `on_fit_start`. Resuming on another world size keeps only the step.
+    state waits until `on_fit_start`.
+
+    Resumed on another number of processes, every rank takes the mean of the old ranks' momentum
+    and residual (the step is the same on all): the update not sent yet, averaged over the world,
+    (1/N) sum_r v_r, stays what it was, and the momentum is that of the averaged gradient. A
+    1-process checkpoint's state goes to every rank of a larger world alike.
     """
+
+    RULE = averaged("every rank takes their mean, which keeps the update not sent yet, (1/N) sum_r v_r")
 
     def __init__(self) -> None:
         self._trainer: Optional[pl.Trainer] = None
@@ -169,7 +176,5 @@ class DGCCheckpoint(pl.Callback):
         state = _hook_state(self._trainer)
         if state is None or self._loaded is None:
             return
-        ranks = self._loaded["ranks"]
-        mine = own(ranks, "dgc states", "residuals and momentum start from zero", state.group)
-        state.load_state_dict(mine if mine is not None else {"step": ranks[0]["step"], "buffers": {}})
+        state.load_state_dict(own(self._loaded["ranks"], "dgc residuals and momentum", self.RULE, state.group))
         self._loaded = None

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from typing_extensions import override
 
-from plugins.ranks import gather, own
+from plugins.ranks import averaged, gather, own
 
 
 def build_hook(begin_step: int) -> Tuple[PostLocalSGDState, Callable]:
@@ -32,9 +32,18 @@ def build_hook(begin_step: int) -> Tuple[PostLocalSGDState, Callable]:
 class LocalSGDCallback(pl.Callback):
     """What local-SGD callbacks share: once training starts, line up the hook's iteration count
     with `trainer.global_step`; after each optimizer step (not after accumulating micro-batches),
-    call `after_optimizer_step` and log `localsgd_syncs`. Does nothing in a single process.
-    The knobs come checked by the strategies' dataclasses (runner/strategies/localsgd.py,
-    adaptive_localsgd.py), where their ranges live."""
+    call `after_optimizer_step` and log `localsgd_syncs`. In a single process it only takes a
+    checkpoint's replicas (below). The knobs come checked by the strategies' dataclasses
+    (runner/strategies/localsgd.py, adaptive_localsgd.py), where their ranges live.
+
+    Between averagings every rank trains a replica of its own, and a checkpoint holds them all.
+    Resumed on another number of processes (one included), every rank starts from their average,
+    what the next averaging would have given: the parameters and the optimizer's state averaged,
+    the loss scaler (the same on every rank: its overflow flag is all-reduced) and the counters
+    carried. A 1-process checkpoint's model is the one replica every rank of a larger world takes."""
+
+    RULE = averaged("every rank starts from their average (parameters and optimizer state), as the next "
+                    "averaging would have made it")
 
     def __init__(self, begin_step: int) -> None:
         self.begin_step = begin_step
@@ -60,9 +69,9 @@ class LocalSGDCallback(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._steps_seen = trainer.global_step
+        self._restore_replica(trainer, pl_module)  # in one process too: the replicas' average
         if not self.distributed(trainer):
             return
-        self._restore_replica(trainer, pl_module)
         state = getattr(trainer.strategy, "comm_hook_state", None)
         if not isinstance(state, PostLocalSGDState):
             raise RuntimeError(f"{type(self).__name__} needs the DDP communication hook of "
@@ -106,9 +115,9 @@ class LocalSGDCallback(pl.Callback):
 
     def _restore_replica(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         replicas, self._replicas = self._replicas, None
-        mine = own(replicas, "local replicas", "every rank goes on from rank 0's") if replicas else None
-        if mine is None:
+        if replicas is None:
             return
+        mine = own(replicas, "local replicas", self.RULE)
         with torch.no_grad():
             for name, parameter in pl_module.named_parameters():
                 parameter.copy_(mine["parameters"][name])

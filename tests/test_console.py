@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from runner.rank.progress import ProgressRelay
-from plugins.ranks import own
+from plugins.ranks import Rule, own
 from runner.command import preflight
 from runner.command.console import AboveTheBar, InPlaceBar, library_warnings_to_log
 from runner.config.compose import CONFIG_NAME
@@ -155,22 +155,26 @@ def test_the_console_keeps_lightfleets_and_the_users_warnings_and_leaves_the_lib
     console = logging.Handler()
     console.emit = lambda record: shown.append(record.getMessage())
     console.addFilter(NotFromLibraries())
-    captured = logging.getLogger("py.warnings")
-    captured.addHandler(console)
+    captured = [logging.getLogger("py.warnings"), logging.getLogger("plugins.ranks")]
+    for logger in captured:
+        logger.addHandler(console)
+    captured[1].setLevel(logging.INFO)  # as a rank's root logger is (runner/rank/train.py)
     try:
         with warnings.catch_warnings():  # restores Python's own warning output afterwards
             warnings.simplefilter("always")
             logging.captureWarnings(True)
-            own([0, 1], "random generators", "each starts from the seed")  # runner/rank/resume.py: lightfleet's
+            own([0, 1], "random generators", Rule("each rank's are re-derived", lambda ranks, rank: 0))  # lightfleet's
             warnings.warn("the user's own")  # this file: the user's code
             warnings.warn_explicit("a library's", UserWarning, torch.__file__, 1)
     finally:
         logging.captureWarnings(False)
-        captured.removeHandler(console)
+        captured[1].setLevel(logging.NOTSET)
+        for logger in captured:
+            logger.removeHandler(console)
     console.handle(logging.LogRecord("torch.distributed", logging.WARNING, torch.__file__, 1, "a library's", None, None))
     console.handle(logging.LogRecord("runner.command", logging.ERROR, preflight.__file__, 1, "lightfleet's", None, None))
     assert [line.splitlines()[0].split(": ", 2)[-1] for line in shown] == [
-        "the checkpoint holds the random generators of 2 ranks, this run has 1: each starts from the seed",
+        "each rank's are re-derived",
         "the user's own", "lightfleet's"]
 
 

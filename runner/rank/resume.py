@@ -2,13 +2,15 @@
 
 State that differs between ranks: only rank 0 writes a checkpoint, but every rank builds it
 (Lightning calls the callbacks' `state_dict` on all of them), so a callback gathers each rank's
-piece into it with `gather` and, on resume, each rank takes its own back with `own`
-(plugins/ranks.py). `RandomStates` keeps every rank's random generators this way. `GlobalPosition`
+piece into it with `gather` and, on resume, each rank takes its own back with `own`, or follows
+the callback's rule where the number of ranks changed (plugins/ranks.py). `RandomStates` keeps
+every rank's random generators this way. `GlobalPosition`
 records where a checkpoint stands (its world, global batch and position in the epoch's global
 order), so that it resumes on any number of processes (docs/reliability.md#resume-bit-for-bit).
 """
 from __future__ import annotations
 
+import random
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -17,25 +19,26 @@ import torch
 from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from typing_extensions import override
 
-from plugins.ranks import gather, own
-from runner.data.order import GlobalOrder, Position
+from plugins.ranks import Rule, gather, own
+from runner.data.order import GlobalOrder, Position, run_seed
 from runner.records.run_dir import RECORD
 
 
 class RandomStates(pl.Callback):
     """Every rank's torch, CUDA, numpy and Python random generators, saved with each checkpoint
     and restored when training starts from one: a resumed run draws the dropout masks, the noise
-    and the augmentations the uninterrupted run would have drawn."""
+    and the augmentations the uninterrupted run would have drawn.
+
+    On another number of processes no rank's saved draws are the ones it would make (the global
+    batch is cut into other micro-batches), and rank 0's would give every rank the same masks:
+    each rank's generators are re-derived from (run seed, global step, rank) instead (`rederived`)."""
 
     def __init__(self) -> None:
         self._loaded: Optional[List[Dict[str, Any]]] = None
 
     @override
     def state_dict(self) -> Dict[str, Any]:
-        states = _collect_rng_states(include_cuda=torch.cuda.is_available())
-        # numpy's key array as a tensor: checkpoints load with weights_only, which refuses arrays.
-        name, keys, *rest = states.pop("numpy")
-        return {"ranks": gather({**states, "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest)})}
+        return {"ranks": gather(storable(_collect_rng_states(include_cuda=torch.cuda.is_available())))}
 
     @override
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -44,11 +47,31 @@ class RandomStates(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._loaded is not None:
-            mine = own(self._loaded, "random generator states", "the generators go on from the seed")
-            if mine is not None:
-                name, keys, *rest = mine["numpy"]
-                _set_rng_states({**mine, "numpy": (name, keys.numpy().astype(np.uint32), *rest)})
+            seed, step = run_seed(), trainer.global_step
+            rule = Rule(f"each rank's are re-derived from (seed {seed}, step {step}, rank)",
+                        lambda ranks, rank: rederived(seed, step, rank))
+            mine = own(self._loaded, "random generator states", rule)
+            name, keys, *rest = mine["numpy"]
+            _set_rng_states({**mine, "numpy": (name, keys.numpy().astype(np.uint32), *rest)})
             self._loaded = None
+
+
+def storable(states: Dict[str, Any]) -> Dict[str, Any]:
+    """Lightning's generator states as a checkpoint holds them: numpy's key array as a tensor
+    (checkpoints load with weights_only, which refuses arrays)."""
+    name, keys, *rest = states.pop("numpy")
+    return {**states, "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest)}
+
+
+def rederived(seed: int, step: int, rank: int) -> Dict[str, Any]:
+    """This process's generators seeded from (seed, step, rank) through numpy's SeedSequence, as
+    Lightning seeds a loader worker: torch's (the CPU's and every CUDA device's), Python's and
+    numpy's from three of its words. Returns their states as `storable` keeps them."""
+    torch_seed, python_seed, numpy_seed = np.random.SeedSequence([seed, step, rank]).generate_state(3)
+    torch.manual_seed(int(torch_seed))
+    random.seed(int(python_seed))
+    np.random.seed(int(numpy_seed))
+    return storable(_collect_rng_states(include_cuda=torch.cuda.is_available()))
 
 
 class GlobalPosition(pl.Callback):
