@@ -278,3 +278,29 @@ def test_processes_on_several_nodes_count_in_all(saved_run, monkeypatch):
     with pytest.raises(ConfigError, match=r"^trainer.devices=2: .* no whole multiple of 4 data-parallel process\(es\) "
                                           r"x micro-batch 64; use trainer.devices=1 \(per node, on 2 nodes\)$"):
         resumed(run, "trainer.devices=2", "trainer.num_nodes=2")
+
+
+@pytest.mark.slow
+def test_a_run_ended_by_max_steps_midway_goes_on_in_its_epoch_validating_at_the_same_steps(lightfleet_in, tmp_path):
+    """A last.ckpt written as fit ends (max_steps=20, in the second epoch) resumed on 1 process
+    with max_steps=40: Lightning counts that epoch done, and the resumed run trained the next
+    epoch's samples (4e-2 from the uninterrupted run's parameters). Now it trains the uninterrupted
+    run's samples at every step, validates every 16 optimizer steps (trainer.val_check_interval
+    counts steps: 32 micro-batches of the 1-process run), and its bar counts the epoch's steps."""
+    for name, steps in (("full", 40), ("first", 20)):
+        done = lightfleet_in(tmp_path, "experiment=quickstart", SAMPLE_IDS, "trainer.devices=2", f"trainer.max_steps={steps}",
+                             "trainer.log_every_n_steps=1", f"paths.output_dir={name}", QUIET, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    done = lightfleet_in(tmp_path, "resume", "first", "trainer.devices=1", "trainer.max_steps=40", "paths.output_dir=more",
+                         timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed, uninterrupted = samples_per_step(tmp_path / "more"), samples_per_step(tmp_path / "full")
+    assert sorted(resumed) == list(range(20, 40)) and resumed == {s: ids for s, ids in uninterrupted.items() if s >= 20}
+    assert validated(tmp_path / "more") == [step for step in validated(tmp_path / "full") if step > 20] == [32]
+    assert "Epoch 2, step: 100%" in done.stdout and "40/40" in done.stdout, done.stdout[-2000:]
+
+
+def validated(run: Path) -> list:
+    """The steps at which the run logged a validation loss."""
+    rows = csv.DictReader((run / "csv" / "metrics.csv").open())
+    return [int(row["step"]) for row in rows if row.get("val_loss")]
