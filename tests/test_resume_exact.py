@@ -23,11 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plugins.gradient_merge import GradientSum
 from plugins.sharding import export
 from tests.helpers.preemption import REACHED, start, wait_for
 from tests.helpers.probe import samples_per_step
-
-pytestmark = pytest.mark.slow  # every test here trains in processes of its own
 
 STEPS = 40
 BATCH = 16
@@ -52,9 +51,12 @@ ROWS = {
     "sharding_stage2": ("strategy.sharding.gradient_merge_acc_step", ["strategy=[sharding]", "strategy.sharding.stage=2"]),
     "sharding_stage3": ("strategy.sharding.gradient_merge_acc_step", ["strategy=[sharding]", "strategy.sharding.stage=3"]),
     "recompute": ("trainer.accumulate_grad_batches", ["strategy=[recompute]"]),
-    "gradient_merge": ("strategy.gradient_merge.k_steps", ["strategy=[gradient_merge]"]),
-    "lars": ("trainer.accumulate_grad_batches", ["strategy=[lars]"]),
-    "lamb": ("trainer.accumulate_grad_batches", ["strategy=[lamb]", "model/optimizer=adam"]),
+    # avg=false: the sum of a replica's micro-batch gradients (avg=true is Lightning's accumulation,
+    # the plain row's, set by k_steps), whose factor the resumed runs keep (plugins/gradient_merge.py).
+    "gradient_merge": ("strategy.gradient_merge.k_steps", ["strategy=[gradient_merge]", "strategy.gradient_merge.avg=false"]),
+    "lars": ("trainer.accumulate_grad_batches", ["strategy=[lars]", "strategy.lars.exclude_from_weight_decay=[bias]"]),
+    "lamb": ("trainer.accumulate_grad_batches",
+             ["strategy=[lamb]", "model/optimizer=adam", "strategy.lamb.exclude_from_weight_decay=[bias]"]),
 }
 
 
@@ -82,6 +84,7 @@ def interrupted_by_sigterm(tmp_path, knob: str, row: list) -> int:
     return torch.load(tmp_path / "link0" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ROWS)
 def test_a_chain_of_resumes_on_2_1_2_3_processes_trains_on_the_samples_and_ends_at_the_parameters_of_the_run(
         name, lightfleet, tmp_path):
@@ -121,3 +124,14 @@ def test_a_chain_of_resumes_on_2_1_2_3_processes_trains_on_the_samples_and_ends_
         assert trained == {step: expected[step] for step in range(begin, end)}, f"{run} trained on other samples"
     reference, resumed = parameters(tmp_path / "full"), parameters(tmp_path / links[-1][0])
     assert ((resumed - reference).norm() / reference.norm()).item() < 1e-5
+
+
+def test_gradient_merge_sum_keeps_the_factor_of_the_run_it_resumes():
+    """avg=false sums a replica's k_steps micro-batch gradients: k_steps times the global batch's
+    mean. Resumed from 2 processes (k_steps=3) on 1 (k_steps=6), the sum keeps the factor 3."""
+    resumed = GradientSum(k_steps=6)
+    resumed.load_state_dict(GradientSum(k_steps=3).state_dict())
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([0.5, -1.0])  # Lightning's mean over the 6 micro-batches
+    resumed.on_before_optimizer_step(None, None, torch.optim.SGD([param], lr=0.1))
+    assert param.grad.tolist() == [1.5, -3.0]
