@@ -123,7 +123,8 @@ def test_a_chain_of_resumes_on_2_1_2_3_processes_trains_on_the_samples_and_ends_
         trained = {step: samples for step, samples in samples_per_step(tmp_path / run).items() if begin <= step < end}
         assert trained == {step: expected[step] for step in range(begin, end)}, f"{run} trained on other samples"
     reference, resumed = parameters(tmp_path / "full"), parameters(tmp_path / links[-1][0])
-    assert ((resumed - reference).norm() / reference.norm()).item() < 1e-5
+    difference = ((resumed - reference).norm() / reference.norm()).item()
+    assert difference < 1e-5, f"the chain ends {difference:.2g} (relative L2) from the uninterrupted run"
 
 
 def test_gradient_merge_sum_keeps_the_factor_of_the_run_it_resumes():
