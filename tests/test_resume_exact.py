@@ -1,6 +1,7 @@
 """Resume on another number of processes, the exact rows (issue 41; docs/reliability.md, "Resume on
 another number of processes"): a single process and plain DDP, sharding stages 1-3, recompute,
-gradient_merge, lars and lamb, in float32 on a model without run-time randomness (the built-in MLP).
+gradient_merge, lars and lamb, in float32 on a model without run-time randomness (the built-in MLP,
+with a learning-rate schedule).
 
 Per row, one uninterrupted run of 40 steps on 2 processes and one chain of runs, each resumed
 from the one before: 2 processes (the uninterrupted run's checkpoint at step 10; for the plain
@@ -9,11 +10,11 @@ processes to step 40. Every link but the last is interrupted mid-epoch (2,048 sa
 global batches of 96 an epoch, so steps 10, 20 and 30 fall inside one), either by SIGTERM or by
 the user's code failing one step after its checkpoint (tests/helpers/probe.py:FailingStep). Each
 link trains every global step on exactly the samples the uninterrupted run trained on at that
-step (tests/helpers/probe.py:SampleIds), and the chain ends with parameters within 1e-5 (relative
-L2) of the uninterrupted run's. Not bit for bit: a global batch's gradient is summed in another
-order on another number of processes (2 x 3 micro-batches of 16, each averaged, then averaged
-across the processes, against 1 x 6), and float32 addition is not associative; the runs here end
-about 1e-7 apart.
+step (tests/helpers/probe.py:SampleIds), and the chain ends with the uninterrupted run's schedule
+state, and with parameters within 1e-5 of its (relative L2). Not bit for bit: a global batch's
+gradient is summed in another order on another number of processes (2 x 3 micro-batches of 16,
+each averaged, then averaged across the processes, against 1 x 6), and float32 addition is not
+associative; the chains here end about 1e-7 apart.
 
 The global batch G = 96 = 6 x 16 divides among 1, 2 and 3 processes: the accumulation is 6, 3, 2,
 set by each strategy's knob (by hand, until the command chooses it: issue 41's part "command").
@@ -35,9 +36,22 @@ GLOBAL_BATCH = 6 * BATCH
 CHAIN = ((1, 10, 20), (2, 20, 30), (3, 30, STEPS))
 FIRST = 2  # processes of the uninterrupted run and of the chain's first link
 
-# Every run: 40 steps, each global step's sample ids recorded, a checkpoint every 10 steps, one thread
-# a process (2 cores run up to 3 processes).
-RUN = ("data.num_train=2048", f"data.batch_size={BATCH}", f"trainer.max_steps={STEPS}",
+# The built-in MLP with a learning-rate schedule (warm-up, then cosine decay over trainer.max_steps),
+# as a user's model brought by `model._target_`: the schedule's state follows too.
+SCHEDULED_MLP = '''
+from runner.models import MLPClassifier
+
+
+class ScheduledMLP(MLPClassifier):
+    def __init__(self, warmup_steps, lr_decay, **kwargs):
+        super().__init__(**kwargs)
+        self.warmup_steps, self.lr_decay = warmup_steps, lr_decay  # runner.models.ClassifierModule's schedule
+'''
+
+# Every run: the scheduled MLP, 40 steps, each global step's sample ids recorded, a checkpoint every
+# 10 steps, one thread a process (2 cores run up to 3 processes).
+RUN = ("model._target_=user_code.ScheduledMLP", "+model.warmup_steps=5", "+model.lr_decay=cosine",
+       "data.num_train=2048", f"data.batch_size={BATCH}", f"trainer.max_steps={STEPS}",
        "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1",
        "collective.execution_strategy.num_threads=1", "+callbacks.ids._target_=tests.helpers.probe.SampleIds",
        "+callbacks.model_checkpoint.every_n_train_steps=10", "+callbacks.model_checkpoint.save_top_k=-1")
@@ -64,12 +78,16 @@ def accumulation(knob: str, processes: int) -> str:
     return f"{knob}={GLOBAL_BATCH // (processes * BATCH)}"
 
 
-def parameters(run) -> torch.Tensor:
-    """The whole model's parameters at the run's last step, from its checkpoint (gathered from a
-    sharded one), as one float64 vector."""
+def last_checkpoint(run) -> dict:
+    """The run's checkpoint at its last step, as one file's (gathered from a sharded one)."""
     (checkpoint,) = run.glob(f"checkpoints/*-step={STEPS}.ckpt")
     export(checkpoint, run / "whole.pt")
-    state = torch.load(run / "whole.pt", weights_only=True)["state_dict"]
+    return torch.load(run / "whole.pt", weights_only=True)
+
+
+def parameters(checkpoint: dict) -> torch.Tensor:
+    """The whole model's parameters, as one float64 vector."""
+    state = checkpoint["state_dict"]
     return torch.cat([state[key].flatten().double() for key in sorted(state)])
 
 
@@ -89,6 +107,7 @@ def interrupted_by_sigterm(tmp_path, knob: str, row: list) -> int:
 def test_a_chain_of_resumes_on_2_1_2_3_processes_trains_on_the_samples_and_ends_at_the_parameters_of_the_run(
         name, lightfleet, tmp_path):
     knob, row = ROWS[name]
+    (tmp_path / "user_code.py").write_text(SCHEDULED_MLP)
     full = lightfleet(*RUN, *row, f"trainer.devices={FIRST}", accumulation(knob, FIRST), "paths.output_dir=full")
     assert full.returncode == 0, full.stderr[-3000:]
     expected = samples_per_step(tmp_path / "full")
@@ -122,7 +141,9 @@ def test_a_chain_of_resumes_on_2_1_2_3_processes_trains_on_the_samples_and_ends_
     for run, begin, end in links:
         trained = {step: samples for step, samples in samples_per_step(tmp_path / run).items() if begin <= step < end}
         assert trained == {step: expected[step] for step in range(begin, end)}, f"{run} trained on other samples"
-    reference, resumed = parameters(tmp_path / "full"), parameters(tmp_path / links[-1][0])
+    reference, resumed = (last_checkpoint(tmp_path / run) for run in ("full", links[-1][0]))
+    assert resumed["lr_schedulers"] == reference["lr_schedulers"]
+    reference, resumed = parameters(reference), parameters(resumed)
     difference = ((resumed - reference).norm() / reference.norm()).item()
     assert difference < 1e-5, f"the chain ends {difference:.2g} (relative L2) from the uninterrupted run"
 
