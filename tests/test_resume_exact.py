@@ -32,9 +32,9 @@ from tests.helpers.probe import samples_per_step
 STEPS = 40
 BATCH = 16
 GLOBAL_BATCH = 6 * BATCH
-# Each link of the chain: processes, the step it resumes from, the step it is interrupted at.
-CHAIN = ((1, 10, 20), (2, 20, 30), (3, 30, STEPS))
-FIRST = 2  # processes of the uninterrupted run and of the chain's first link
+FIRST = 2  # processes of the uninterrupted run and of the chain's first link, interrupted at step 10
+# The resumed links: processes, the step each is interrupted at (the last one runs to the end).
+CHAIN = ((1, 20), (2, 30), (3, STEPS))
 
 # The built-in MLP with a learning-rate schedule (warm-up, then cosine decay over trainer.max_steps),
 # as a user's model brought by `model._target_`: the schedule's state follows too.
@@ -58,16 +58,22 @@ RUN = ("model._target_=user_code.ScheduledMLP", "+model.warmup_steps=5", "+model
 # Hydra's ++ adds the key or sets it: the callback that interrupts a link, at its step.
 FAILING = "++callbacks.fail._target_=tests.helpers.probe.FailingStep"
 
+
+def sharding(stage: int) -> tuple:
+    return "strategy.sharding.gradient_merge_acc_step", ["strategy=[sharding]", f"strategy.sharding.stage={stage}"]
+
+
 # Row: (the knob that sets the accumulation, the row's overrides).
 ROWS = {
     "plain": ("trainer.accumulate_grad_batches", []),
-    "sharding_stage1": ("strategy.sharding.gradient_merge_acc_step", ["strategy=[sharding]", "strategy.sharding.stage=1"]),
-    "sharding_stage2": ("strategy.sharding.gradient_merge_acc_step", ["strategy=[sharding]", "strategy.sharding.stage=2"]),
-    "sharding_stage3": ("strategy.sharding.gradient_merge_acc_step", ["strategy=[sharding]", "strategy.sharding.stage=3"]),
+    "sharding_stage1": sharding(1),
+    "sharding_stage2": sharding(2),
+    "sharding_stage3": sharding(3),
     "recompute": ("trainer.accumulate_grad_batches", ["strategy=[recompute]"]),
     # avg=false: the sum of a replica's micro-batch gradients (avg=true is Lightning's accumulation,
     # the plain row's, set by k_steps), whose factor the resumed runs keep (plugins/gradient_merge.py).
-    "gradient_merge": ("strategy.gradient_merge.k_steps", ["strategy=[gradient_merge]", "strategy.gradient_merge.avg=false"]),
+    "gradient_merge": ("strategy.gradient_merge.k_steps",
+                       ["strategy=[gradient_merge]", "strategy.gradient_merge.avg=false"]),
     "lars": ("trainer.accumulate_grad_batches", ["strategy=[lars]", "strategy.lars.exclude_from_weight_decay=[bias]"]),
     "lamb": ("trainer.accumulate_grad_batches",
              ["strategy=[lamb]", "model/optimizer=adam", "strategy.lamb.exclude_from_weight_decay=[bias]"]),
@@ -94,7 +100,8 @@ def parameters(checkpoint: dict) -> torch.Tensor:
 def interrupted_by_sigterm(tmp_path, knob: str, row: list) -> int:
     """The chain's first link, on FIRST processes, stopped by SIGTERM mid-epoch; the step its
     checkpoint (last.ckpt) holds."""
-    process = start(tmp_path, *RUN, *row, f"trainer.devices={FIRST}", accumulation(knob, FIRST), "paths.output_dir=link0")
+    process = start(tmp_path, *RUN, *row, f"trainer.devices={FIRST}", accumulation(knob, FIRST),
+                    "paths.output_dir=link0")
     wait_for(tmp_path / "link0" / REACHED, process)
     process.terminate()
     _, err = process.communicate(timeout=60)
@@ -118,14 +125,14 @@ def test_a_chain_of_resumes_on_2_1_2_3_processes_trains_on_the_samples_and_ends_
     # run of its own preempted by SIGTERM (resumed by `lightfleet resume RUN`, as a user would).
     if name == "plain":
         stopped = interrupted_by_sigterm(tmp_path, knob, row)
-        assert 3 <= stopped < CHAIN[0][2]
+        assert 3 <= stopped < CHAIN[0][1]
         links = [("link0", 0, stopped)]
         resume_from = ["link0", "~callbacks.slow", FAILING]
     else:
-        links = [("full", 0, CHAIN[0][1])]
-        (checkpoint,) = (tmp_path / "full" / "checkpoints").glob(f"*-step={CHAIN[0][1]}.ckpt")
+        links = [("full", 0, 10)]
+        (checkpoint,) = (tmp_path / "full" / "checkpoints").glob("*-step=10.ckpt")
         resume_from = ["full", f"ckpt_path='{checkpoint}'", FAILING]
-    for processes, _, until in CHAIN:
+    for processes, until in CHAIN:
         failing = [f"++callbacks.fail.at_step={until}"] if until < STEPS else ["~callbacks.fail"]
         resumed = lightfleet("resume", *resume_from, f"trainer.devices={processes}", accumulation(knob, processes),
                              *failing, f"paths.output_dir=link{processes}")
