@@ -9,10 +9,10 @@
    - ResNet-50: `model=vision data=images` at 224 px, batch 128, `strategy=[amp]` (float16 with
      GradScaler), against torchvision's reference loop (channels_last, cudnn.benchmark, momentum
      SGD, a DataLoader with workers and pinned memory, non-blocking copies).
-   lightfleet runs through its command (`runner.command.cli.main`) with its defaults, but for no
-   progress bar, checkpoint or logger (they act outside the measured steps or only at logging
-   steps, and would flood this output); throughput, MFU and peak memory are its own figures
-   (results.yaml), the plain loops' are timed the same way (bench/throughput.py's Window).
+   lightfleet runs through its command (`runner.command.cli.main`) as a user runs it: its
+   defaults, the steps bar, the CSV logger and checkpointing on (validation off, as the plain
+   loops do none); throughput, MFU and peak memory are its own figures (results.yaml), the plain
+   loops' are timed the same way (bench/throughput.py's Window).
 2. auto's memory estimates for the eager runs, planned for CUDA, against the peaks they measured.
 3. `python -m pytest -m gpu` on the test modules that hold GPU tests.
 
@@ -49,8 +49,7 @@ PARTS = ("gpt", "resnet", "memory", "compiled", "tests")
 # The test modules that hold GPU tests (collecting only these keeps the sweepers' and Paddle's
 # imports, which the GPU machine may lack, out of the run).
 GPU_TESTS = ["tests/test_gpu.py", "tests/plugins/test_collective.py", "tests/plugins/test_sharding.py"]
-QUIET = ["logger=none", "callbacks=none", "trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
-         "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0"]
+NO_VALIDATION = ["trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0"]  # the plain loops validate nothing
 
 
 def install_wheels(folder: Path) -> None:
@@ -116,7 +115,7 @@ def lightfleet(bench: Bench, name: str, overrides: List[str]) -> Dict[str, Any]:
     from runner.command.cli import main
 
     run_dir = bench.work / f"{name}-{time.monotonic_ns()}"
-    args = [*overrides, *QUIET, f"trainer.accelerator={bench.sizes.accelerator}", "trainer.devices=1",
+    args = [*overrides, *NO_VALIDATION, f"trainer.accelerator={bench.sizes.accelerator}", "trainer.devices=1",
             f"trainer.max_steps={bench.sizes.steps}", f"measure.warmup_steps={bench.sizes.warmup}",
             f"paths.output_dir={run_dir}"]
     try:

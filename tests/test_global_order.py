@@ -49,7 +49,7 @@ def test_a_user_data_module_with_the_one_line_resumes_on_another_number_of_proce
     assert full.returncode == 0, full.stderr[-3000:]
     (middle,) = (tmp_path / "full" / "checkpoints").glob("*-step=12.ckpt")
     assert torch.load(middle, weights_only=False)["lightfleet"]["data"] == {
-        "order": "global", "epoch": 0, "steps_in_epoch": 12, "samples": 12 * 64}
+        "order": "global", "epoch": 0, "epoch_finished": False, "steps_in_epoch": 12, "samples": 12 * 64}
     resumed = lightfleet("resume", "full", f"ckpt_path='{middle}'", "trainer.devices=1",
                          "trainer.accumulate_grad_batches=2", "paths.output_dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

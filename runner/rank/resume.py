@@ -137,11 +137,18 @@ class GlobalPosition(pl.Callback):
         data = record["data"]
         if data["order"] == "global":
             self.position.epoch, self.position.samples = data["epoch"], data["samples"]
-        epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+        loops = checkpoint["loops"]["fit_loop"]
+        epochs = loops["epoch_progress"]
         if not data["epoch_finished"] and epochs["current"]["completed"] > data["epoch"]:
-            for counters in (epochs["current"], epochs["total"]):  # as a checkpoint taken midway holds them
+            # Written as fit ended midway: its counters made those of a checkpoint written at the
+            # step's end (the epoch under way, its last batch not yet counted done), which Lightning
+            # resumes exactly.
+            for counters in (epochs["current"], epochs["total"]):
                 counters["processed"] -= 1
                 counters["completed"] -= 1
+            for counters in (loops["epoch_loop.batch_progress"]["current"], loops["epoch_loop.batch_progress"]["total"]):
+                counters["completed"] -= 1
+            loops["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
         # Lightning counts batches per rank (in the epoch, and in all: what validation every n
         # steps across epochs counts): those of the steps already trained, at this run's
         # accumulation, so the epoch ends (and validates) at the steps the run's did.

@@ -500,7 +500,8 @@ def samples_per_step(*runs: Path) -> Dict[int, Counter]:
 
 class BarRedraws(pl.Callback):
     """Counts how often the steps bar draws its training line (tqdm's display) from the first
-    batch on, and writes the count and the seconds fit took from there to bar_redraws.json (rank 0)."""
+    batch on, its closing line too, and writes the count and the seconds from there to
+    bar_redraws.json (rank 0)."""
 
     def __init__(self) -> None:
         self.redraws, self.started = 0, 0.0
@@ -519,7 +520,7 @@ class BarRedraws(pl.Callback):
 
         bar.display = counted
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero:  # after the bar has closed, drawing its last line
             figures = {"redraws": self.redraws, "seconds": time.monotonic() - self.started, "steps": trainer.global_step}
             (Path(trainer.default_root_dir) / "bar_redraws.json").write_text(json.dumps(figures))
