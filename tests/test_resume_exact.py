@@ -17,7 +17,8 @@ each averaged, then averaged across the processes, against 1 x 6), and float32 a
 associative; the chains here end about 1e-7 apart.
 
 The global batch G = 96 = 6 x 16 divides among 1, 2 and 3 processes: the accumulation is 6, 3, 2,
-set by each strategy's knob (by hand, until the command chooses it: issue 41's part "command").
+set by each strategy's knob: by hand for the uninterrupted run, by the command for every resume
+(runner/command/resume_world.py), whose plan line the test reads.
 """
 from __future__ import annotations
 
@@ -134,8 +135,11 @@ def test_a_chain_of_resumes_on_2_1_2_3_processes_trains_on_the_samples_and_ends_
         resume_from = ["full", f"ckpt_path='{checkpoint}'", FAILING]
     for processes, until in CHAIN:
         failing = [f"++callbacks.fail.at_step={until}"] if until < STEPS else ["~callbacks.fail"]
-        resumed = lightfleet("resume", *resume_from, f"trainer.devices={processes}", accumulation(knob, processes),
-                             *failing, f"paths.output_dir=link{processes}")
+        # The command sets the accumulation that keeps the global batch, through the row's knob.
+        resumed = lightfleet("resume", *resume_from, f"trainer.devices={processes}", *failing,
+                             f"paths.output_dir=link{processes}")
+        assert f"x {GLOBAL_BATCH // (processes * BATCH)} ({accumulation(knob, processes)})" in resumed.stdout, \
+            resumed.stdout[-3000:]
         run = f"link{processes}"
         links.append((run, links[-1][2], until))
         if until < STEPS:

@@ -75,7 +75,8 @@ class TrainerConfig:
     max_time: Any = None
     """Stop after this wall time ("DD:HH:MM:SS" or a dict)."""
     limit_train_batches: Any = None
-    """Batches per training epoch (int) or fraction of them (float)."""
+    """Optimizer steps per training epoch (int; lightfleet passes Lightning steps x accumulation
+    batches, so a resume that changes the accumulation keeps it) or fraction of the epoch (float)."""
     limit_val_batches: Any = None
     """Batches per validation run (int) or fraction of them (float); 0 disables validation."""
     limit_test_batches: Any = None
@@ -85,7 +86,9 @@ class TrainerConfig:
     overfit_batches: Any = 0.0
     """Train and validate on this many (int) or this fraction (float) of training batches."""
     val_check_interval: Any = None
-    """Validate every this many training batches (int) or fraction of an epoch (float)."""
+    """Validate every this many optimizer steps (int; Lightning is given steps x accumulation
+    batches, so a resume that changes the accumulation validates at the same steps) or fraction of
+    an epoch (float)."""
     check_val_every_n_epoch: Optional[int] = 1
     """Validate every n epochs."""
     num_sanity_val_steps: Optional[int] = None
@@ -166,7 +169,7 @@ class TrainerConfig:
         require(self.val_check_interval is None or (is_batches(self.val_check_interval, lowest=1)
                                                      and self.val_check_interval != 0.0),
                 "trainer.val_check_interval", self.val_check_interval,
-                "allowed: a count of batches >= 1, a fraction of an epoch in (0.0, 1.0], or null")
+                "allowed: a count of optimizer steps >= 1, a fraction of an epoch in (0.0, 1.0], or null")
         require(self.gradient_clip_val is None or self.gradient_clip_val >= 0, "trainer.gradient_clip_val",
                 self.gradient_clip_val, "must be >= 0 (or null: no clipping)")
         require(self.gradient_clip_algorithm in (None, "norm", "value"), "trainer.gradient_clip_algorithm",
