@@ -177,11 +177,20 @@ class StepsProgressBar(_CountsSteps, TQDMProgressBar):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        bar = self.train_progress_bar
-        if not bar.disable and bounded_by_steps(trainer):  # the last step's line, drawn as the bar closes
-            bar.n = trainer.global_step
-            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+        self._last_line(trainer, pl_module, draw=False)  # drawn as the bar closes
         super().on_train_end(trainer, pl_module)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._last_line(trainer, pl_module, draw=True)  # stopped (a preemption) or failed: where it got to
+
+    def _last_line(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", draw: bool) -> None:
+        bar = self._train_progress_bar
+        if bar is None or bar.disable or not bounded_by_steps(trainer):
+            return
+        bar.n = trainer.global_step
+        self._due_at = 0.0
+        bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=draw)
 
     counting_since: Optional[Tuple[int, float]] = None  # the step and the time the bar started counting at
 
@@ -203,6 +212,7 @@ class StepsProgressBar(_CountsSteps, TQDMProgressBar):
             return
         if self.counting_since is None:
             self.counting_since = trainer.global_step, bar.start_t
+            self._due_at = 0.0  # the run's first line drawn at once, not a due time later
         bar.initial, bar.start_t = self.counting_since
         bar.n = trainer.global_step
         bar.set_description(steps_description(trainer.current_epoch))
