@@ -163,14 +163,15 @@ def test_errors_only_the_built_model_reveals_are_refused_before_any_rank_starts(
 
 
 def test_a_rank_that_refuses_stops_every_rank_with_status_2_and_its_reason(lightfleet, tmp_path):
-    # 80 samples in batches of 64: the pipeline's micro-batches cannot hold the last 16, which only
-    # the ranks see, at step 2.
-    done = lightfleet("strategy=[pipeline]", "data.num_train=80", "trainer.devices=2", "paths.output_dir=run", *fast())
+    # 80 validation samples in batches of 64: the pipeline's micro-batches cannot hold the last 16,
+    # which only the ranks see, at the first validation (training batches are whole global batches).
+    done = lightfleet("strategy=[pipeline]", "data.num_val=80", "trainer.devices=2", "paths.output_dir=run",
+                      *fast("trainer.val_check_interval=2"))
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]  # the command's last word names a failing rank's reason
-    assert re.match(r"lightfleet: run failed: rank [01]: error: strategy.pipeline: a training batch of 16 samples is "
-                    r"not accumulate_steps \* micro_batch_size = 4 \* 16 = 64", last), last
+    assert re.match(r"lightfleet: run failed: rank [01]: error: strategy.pipeline: a validation batch of 16 samples "
+                    r"is not accumulate_steps \* micro_batch_size = 4 \* 16 = 64", last), last
     assert (tmp_path / "run" / "config.yaml").is_file()  # what was written stays
 
 
