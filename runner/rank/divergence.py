@@ -4,9 +4,9 @@ the last checkpoint written before it, and no checkpoint with non-finite weights
 `stop_on_nonfinite=false` turns the guard off. It lives in the preemption callback
 (runner/rank/preemption.py), whose vote carries its flag.
 
-Cheap on the hot path: a step adds two tiny device ops (isfinite of the loss, folded into a device
-flag that keeps the first bad step) and no host-device sync. The flag is read where a read happens
-already: in several processes it rides in the preemption vote's all-reduce, read one step later,
+Cheap on the hot path: a micro-batch's loss is kept as it is, with its step, and no host-device
+sync is added; the kept losses are checked together, a few tiny device ops, where the flag is
+made. The flag is read where a read happens already: in several processes it rides in the preemption vote's all-reduce, read one step later,
 so every rank stops at the same step; in one process at the logging steps, where the loggers, the
 bar and the meter read the device anyway. Before any checkpoint is written, and when fit ends, the
 flag and the parameters themselves are checked at once and agreed by every rank (one all-reduce):
@@ -19,7 +19,7 @@ overflows.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -36,28 +36,44 @@ class Diverged(Exception):
         self.step = step
 
 
+NONE_YET = 2**62  # above any step: the minimum over steps whose losses were all finite
+KEPT_AT_MOST = 1000  # losses kept before they are checked, whatever the logging interval
+
+
 class NonFiniteGuard:
-    """The first optimizer step whose loss was non-finite, kept on the loss's device (0: none yet)."""
+    """The first optimizer step whose loss was non-finite, kept on the losses' device (0: none
+    yet). The micro-batches' losses are kept as they come, with their steps, and checked together
+    where the flag is made: every step in several processes (the vote), at the logging steps in
+    one; a micro-batch itself costs no device op."""
 
     def __init__(self) -> None:
-        self.bad: Optional[torch.Tensor] = None  # whether a loss noted so far was non-finite
-        self.first: Optional[torch.Tensor] = None  # int64 scalar: the first step whose loss was
+        self.losses: List[torch.Tensor] = []  # the losses noted since the flag was last made
+        self.steps: List[int] = []  # the optimizer step each of them belongs to, once it has ended
+        self.first: Optional[torch.Tensor] = None  # int64 scalar: the first step whose loss was non-finite
 
     def note(self, outputs: Any) -> None:
         """A micro-batch's training_step output (its loss; manual optimisation may return none)."""
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
-            bad = ~torch.isfinite(loss.detach()).all()
-            self.bad = bad if self.bad is None else self.bad | bad
+            self.losses.append(loss.detach())
 
     def fold(self, step: int) -> None:
-        """At the end of optimizer step `step` (>= 1): keep it if its loss was the first non-finite one."""
-        if self.bad is not None:
-            first = torch.zeros((), dtype=torch.int64, device=self.bad.device) if self.first is None else self.first
-            self.first = torch.where((first == 0) & self.bad, step, first)
+        """At the end of optimizer step `step` (>= 1): the losses noted since the last fold were its."""
+        self.steps += [step] * (len(self.losses) - len(self.steps))
+        if len(self.steps) >= KEPT_AT_MOST:  # a run that never logs: checked now and then all the same
+            self.flag(self.losses[0].device)
 
     def flag(self, device: torch.device) -> torch.Tensor:
         """The first bad step as a one-element tensor on `device`, for the vote (no sync)."""
+        if self.steps:
+            ended, steps = len(self.steps), self.steps
+            losses, self.losses, self.steps = self.losses[:ended], self.losses[ended:], []
+            values = torch.cat([loss.reshape(-1) for loss in losses])
+            of_values = torch.tensor([step for step, loss in zip(steps, losses) for _ in range(loss.numel())])
+            of_values = of_values.to(values.device, non_blocking=True)
+            found = torch.where(values.isfinite(), NONE_YET, of_values).min()  # NONE_YET where all are finite
+            first = torch.where(found == NONE_YET, 0, found)
+            self.first = first if self.first is None else torch.where(self.first > 0, self.first, first)
         if self.first is None:
             return torch.zeros(1, dtype=torch.int64, device=device)
         return self.first.to(device).view(1)
