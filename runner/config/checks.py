@@ -15,6 +15,7 @@ from runner import strategies
 from runner.config import schema
 from runner.config.compose import explain
 from runner.core.errors import ConfigError, first_line, require
+from runner.core.plan import Plan
 from runner.core.world import World, devices_for
 
 
@@ -89,7 +90,7 @@ def apply_cross_field_rules(spec: RunSpec) -> None:
             "lightfleet eval RUN strategy.pipeline=null trainer.devices=1 ckpt_path=model.pt")
 
 
-def check_epoch(spec: RunSpec, plan: Any) -> None:
+def check_epoch(spec: RunSpec, plan: Plan) -> None:
     """An epoch of the built-in synthetic data (whose config says its num_train samples) is
     num_train // G optimizer steps, in global batches of G = data-parallel processes x
     data.batch_size x accumulation (runner/data/order.py: the samples short of a whole global

@@ -1,5 +1,6 @@
 """The loaders of the built-in data: stateful (torchdata's StatefulDataLoader; a training epoch's
-position is the global order's, order.py, which every checkpoint records) and, on a GPU, fed as a plain training loop feeds one: batches in pinned host memory, which Lightning
+position is the global order's, order.py, which every checkpoint records) and, on a GPU, fed as
+a plain training loop feeds one: batches in pinned host memory, which Lightning
 copies to the device without blocking (its batch transfer is non-blocking from pinned memory),
 and loader workers by default where the data module says `auto`, so that the training process
 only hands batches on.

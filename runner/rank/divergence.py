@@ -6,9 +6,9 @@ the last checkpoint written before it, and no checkpoint with non-finite weights
 
 Cheap on the hot path: a micro-batch's loss is kept as it is, with its step, and no host-device
 sync is added; the kept losses are checked together, a few tiny device ops, where the flag is
-made. The flag is read where a read happens already: in several processes it rides in the preemption vote's all-reduce, read one step later,
-so every rank stops at the same step; in one process at the logging steps, where the loggers, the
-bar and the meter read the device anyway. Before any checkpoint is written, and when fit ends, the
+made. The flag is read where a read happens already: in several processes it rides in the
+preemption vote's all-reduce, read one step later, so every rank stops at the same step; in one
+process at the logging steps, where the loggers, the bar and the meter read the device anyway. Before any checkpoint is written, and when fit ends, the
 flag and the parameters themselves are checked at once and agreed by every rank (one all-reduce):
 a checkpoint is rare beside a step, and the parameters are what it would keep.
 
@@ -68,11 +68,13 @@ class NonFiniteGuard:
         if self.steps:
             ended, steps = len(self.steps), self.steps
             losses, self.losses, self.steps = self.losses[:ended], self.losses[ended:], []
-            values = torch.cat([loss.reshape(-1) for loss in losses])
-            of_values = torch.tensor([step for step, loss in zip(steps, losses) for _ in range(loss.numel())])
-            of_values = of_values.to(values.device, non_blocking=True)
-            found = torch.where(values.isfinite(), NONE_YET, of_values).min()  # NONE_YET where all are finite
-            first = torch.where(found == NONE_YET, 0, found)
+            bad = ~torch.cat([loss.reshape(-1) for loss in losses]).isfinite()
+            if steps[0] == steps[-1]:  # one step's (every step in several processes): no tensor of steps to copy
+                first = torch.where(bad.any(), steps[0], 0)
+            else:  # several steps' (at a logging step in one process, where the device is read anyway)
+                of_values = torch.tensor([step for step, loss in zip(steps, losses) for _ in range(loss.numel())])
+                found = torch.where(bad, of_values.to(bad.device), NONE_YET).min()  # NONE_YET: all finite
+                first = torch.where(found == NONE_YET, 0, found)
             self.first = first if self.first is None else torch.where(self.first > 0, self.first, first)
         if self.first is None:
             return torch.zeros(1, dtype=torch.int64, device=device)

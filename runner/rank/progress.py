@@ -112,8 +112,8 @@ class ProgressRelay:
 class StepsProgressBar(_CountsSteps, TQDMProgressBar):
     """Lightning's default (tqdm) bar, counting steps where steps bound the run; into a
     ProgressRelay where the command draws it (PROGRESS_LINE_ENV). It redraws when its line is due
-    (every `every_s`: a few times a second on a terminal, every 30 s elsewhere) and at the last
-    step, not at every batch as Lightning's does (refresh_rate=1): formatting and writing the line
+    (every `every_s`: a few times a second on a terminal, every 30 s elsewhere) and as it closes
+    or the run stops, not at every batch as Lightning's does (refresh_rate=1): formatting and writing the line
     cost a 6 ms step about 27% (bench/RESULTS.md)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

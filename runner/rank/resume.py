@@ -138,7 +138,7 @@ class GlobalPosition(pl.Callback):
         if data["order"] == "global":
             self.position.epoch, self.position.samples = data["epoch"], data["samples"]
         loops = checkpoint["loops"]["fit_loop"]
-        epochs = loops["epoch_progress"]
+        epochs, batches = loops["epoch_progress"], loops["epoch_loop.batch_progress"]
         if not data["epoch_finished"] and epochs["current"]["completed"] > data["epoch"]:
             # Written as fit ended midway: its counters made those of a checkpoint written at the
             # step's end (the epoch under way, its last batch not yet counted done), which Lightning
@@ -146,15 +146,14 @@ class GlobalPosition(pl.Callback):
             for counters in (epochs["current"], epochs["total"]):
                 counters["processed"] -= 1
                 counters["completed"] -= 1
-            for counters in (loops["epoch_loop.batch_progress"]["current"], loops["epoch_loop.batch_progress"]["total"]):
+            for counters in (batches["current"], batches["total"]):
                 counters["completed"] -= 1
             loops["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
         # Lightning counts batches per rank (in the epoch, and in all: what validation every n
         # steps across epochs counts): those of the steps already trained, at this run's
         # accumulation, so the epoch ends (and validates) at the steps the run's did.
         more = trainer.accumulate_grad_batches - record["batch"]["accumulate_grad_batches"]
-        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
-        trained = ((progress["current"], data["steps_in_epoch"]), (progress["total"], checkpoint["global_step"]))
+        trained = ((batches["current"], data["steps_in_epoch"]), (batches["total"], checkpoint["global_step"]))
         for counters, steps in trained:
             for name in counters:
                 counters[name] += steps * more

@@ -32,11 +32,6 @@ PROGRESS_LINE_ENV = "LIGHTFLEET_PROGRESS_LINE"  # set by the command for its ran
 TERMINAL_EVERY_S = 0.2
 PLAIN_EVERY_S = 30.0
 PROGRESS_EVERY_ENV = "LIGHTFLEET_PROGRESS_EVERY_S"
-
-
-def progress_every_s(stream: Any) -> float:
-    """How often a bar drawn on `stream` is due (TERMINAL_EVERY_S, PLAIN_EVERY_S)."""
-    return TERMINAL_EVERY_S if stream.isatty() else PLAIN_EVERY_S
 JOB_LOG = "lightfleet.log"  # the job's log: Hydra's (hydra.job.name), and every rank's records and warnings
 NODES_DIR = "nodes"  # nodes/<NODE_RANK>/: a second node's copy of the command keeps its records there
 RANKS_DIR = "ranks"  # ranks/<RANK>/: the same for a rank launched by torchrun or SLURM
@@ -60,6 +55,12 @@ REPORT_MD = "report.md"
 THROUGHPUT_PNG = "throughput.png"
 THROUGHPUT_MEMORY_PNG = "throughput_memory.png"
 LOSS_CURVES_PNG = "loss_curves.png"
+
+
+def progress_every_s(stream: Any) -> float:
+    """How often a bar drawn on `stream` is due (TERMINAL_EVERY_S, PLAIN_EVERY_S)."""
+    return TERMINAL_EVERY_S if stream.isatty() else PLAIN_EVERY_S
+
 
 # How a job ended: failure.yaml's and sweep.yaml's status.
 FINISHED = "finished"
