@@ -101,14 +101,15 @@ def wire_factor(op: str, group_size: int) -> float:
     which n - 1 pass each link ((n-1)/n of the gathered tensor); a reduce-scatter or all-to-all
     sends (n-1)/n of its input; an all-reduce is both, 2(n-1)/n; point to point sends it once."""
     n = group_size
-    if n <= 1:
-        return 0.0
     return {"all_gather": n - 1, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
             "all_reduce": 2 * (n - 1) / n}.get(op, 1.0)
 
 
 def collective_seconds(row: Mapping[str, Any], device: Device) -> float:
-    """One report row (op, group_size, nodes, calls, bytes) as seconds on `device`, alone on its links."""
+    """One report row (op, group_size, nodes, calls, bytes) as seconds on `device`, alone on its links
+    (a group of one sends nothing)."""
+    if row["group_size"] <= 1:
+        return 0.0
     wire = row["bytes"] * wire_factor(row["op"], row["group_size"])
     return row["calls"] * CALL_LATENCY_S + wire / (link_bandwidth(device, row["group_size"], row["nodes"]) * NETWORK_FRACTION)
 

@@ -99,6 +99,8 @@ def test_the_ring_factors_of_each_collective():
     # An all-gather's input is its own shard: gathering 4 shards of 1/4 moves what one reduce-scatter of the whole does.
     assert seconds("all_gather", 1e11 / 4) == pytest.approx(seconds("reduce_scatter", 1e11))
     assert seconds("send", 1e11) == pytest.approx(1e11 / (300e9 * NETWORK_FRACTION), rel=1e-3)
+    alone = predict(report(flops=1e12, collectives=[row("all_reduce", 1e11, group_size=1)], world=1), A100)
+    assert alone.communication_s == {"all_reduce": 0.0}  # a group of one sends nothing
 
 
 def test_overlapped_collectives_hide_behind_compute_but_point_to_point_waits():
