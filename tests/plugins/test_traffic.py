@@ -34,7 +34,8 @@ ROWS = {
                           "strategy.adaptive_localsgd.init_k_steps=1"],
     "zero1": ["strategy=[sharding]", "strategy.sharding.stage=1"],
     "zero2": ["strategy=[sharding]", "strategy.sharding.stage=2", "strategy.sharding.segment_broadcast_MB=0.01"],
-    "zero3": ["strategy=[sharding]", "strategy.sharding.stage=3", "strategy.sharding.segment_broadcast_MB=0.01"],
+    "zero3": ["strategy=[sharding]", "strategy.sharding.stage=3", "strategy.sharding.segment_broadcast_MB=0.01",
+              "strategy.sharding.gradient_merge_acc_step=2"],
     "hybrid": ["strategy=[sharding]", "strategy.sharding.stage=3", "strategy.sharding.dp_degree=2",
                "trainer.devices=4"],
     "pipeline": ["strategy=[pipeline]", "strategy.pipeline.accumulate_steps=4", "data.batch_size=64"],
@@ -144,10 +145,11 @@ def test_zero_stage1_all_reduces_gradients_and_broadcasts_every_parameter(traffi
 
 
 @pytest.mark.slow
-def test_fsdp_stage3_gathers_padded_shards_twice_and_reduce_scatters_once(traffic_of):
+def test_fsdp_stage3_gathers_padded_shards_twice_a_micro_batch_and_reduce_scatters_once_a_step(traffic_of):
     shard = padded_shard(W) * FLOAT
     assert shard * W > N * FLOAT  # the head's 5 rows are padded to 6
-    every_step(traffic_of("zero3"), lambda rank, step: {"all_gather": (W, 2 * shard),  # forward and backward
+    # 2 micro-batches a step, each gathering in forward and in backward; gradients reduced at the last.
+    every_step(traffic_of("zero3"), lambda rank, step: {"all_gather": (W, 2 * 2 * shard),
                                                         "reduce_scatter": (W, W * shard)})
 
 
