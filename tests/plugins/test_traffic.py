@@ -39,6 +39,8 @@ ROWS = {
     "hybrid": ["strategy=[sharding]", "strategy.sharding.stage=3", "strategy.sharding.dp_degree=2",
                "trainer.devices=4"],
     "pipeline": ["strategy=[pipeline]", "strategy.pipeline.accumulate_steps=4", "data.batch_size=64"],
+    "pipeline_replicas": ["strategy=[pipeline,sharding]", "strategy.sharding.pp_degree=2", "trainer.devices=4",
+                          "strategy.pipeline.accumulate_steps=4", "data.batch_size=64"],
 }
 
 PARAMS = [p for p in MLPClassifier(**MODEL).parameters()]
@@ -199,3 +201,22 @@ def test_counting_is_off_unless_asked_and_then_torch_hooks_are_its_own(spec_for)
     assert localsgd.build_hook(begin_step=1)[1] is post_localSGD_hook
     traffic.count("all_reduce", torch.ones(3))  # off: nothing kept, nothing asked of torch.distributed
     assert traffic.take(1) == []
+
+
+@pytest.mark.slow
+def test_pipeline_replicas_all_reduce_and_broadcast_their_stage_parameters(traffic_of):
+    # 4 processes: 2 pipelines of 2 stages (ranks 0, 1 and 2, 3); each stage's replicas all-reduce
+    # its gradients (DDP) and broadcast its parameters after ZeRO's sharded step; the two stages
+    # together hold the model.
+    crossing = 4 * 16 * MODEL["hidden_dim"] * FLOAT
+    ranks = traffic_of("pipeline_replicas")
+    assert len(ranks) == 4
+    stage_bytes = []
+    for records in ranks[:2]:
+        assert [record["step"] for record in records] == list(range(1, STEPS + 1))
+        mine = sent(records[0])["all_reduce"]
+        stage_bytes.append(mine[1])
+        every_step([records], lambda rank, step: {"all_reduce": mine, "send": (W, crossing), "recv": (W, crossing),
+                                                  "broadcast": (W, mine[1] + FLOAT)})  # and the loss
+    assert sum(stage_bytes) == N * FLOAT and all(stage_bytes)
+    assert ranks[2:] == ranks[:2]  # the other pipeline sends the same
