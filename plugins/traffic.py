@@ -20,8 +20,9 @@ Payload is what this rank hands the collective: all_reduce and broadcast, the te
 rank of a broadcast, its source or not); all_gather, this rank's input; reduce_scatter, its whole
 input; send, the tensor sent; recv, the buffer received into. Op names are the rehearsal's
 (runner/rank/rehearse.py): all_reduce, all_gather, reduce_scatter, broadcast, send, recv,
-all_to_all, reduce. lightfleet's own bookkeeping (the preemption vote, metric syncs) and
-validation are not counted.
+all_to_all, reduce. lightfleet's own bookkeeping (the preemption vote, metric syncs),
+validation, checkpoint saves and tensor parallelism's collectives (DTensor's, inside torch's
+parallel styles, which offer no public hook) are not counted.
 """
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def count_fsdp(module: nn.Module, replicate_group: Any = None) -> None:
     """Count the collectives of every FSDP2 unit in `module` (while counting is on): all-gathers
     and reduce-scatters through torch's custom-comm interface, and hybrid sharding's all-reduce
     over `replicate_group` through its all-reduce hook, which FSDP calls with the reduced tensor."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # where sharding needs it, as plugins/sharding.py imports FSDP
 
     if not counting():
         return
