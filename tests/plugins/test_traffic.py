@@ -36,6 +36,7 @@ ROWS = {
     "zero2": ["strategy=[sharding]", "strategy.sharding.stage=2", "strategy.sharding.segment_broadcast_MB=0.01"],
     "zero3": ["strategy=[sharding]", "strategy.sharding.stage=3", "strategy.sharding.segment_broadcast_MB=0.01",
               "strategy.sharding.gradient_merge_acc_step=2"],
+    "zero3_amp": ["strategy=[amp,sharding]", "strategy.sharding.stage=3", "strategy.amp.dtype=bfloat16"],
     "hybrid": ["strategy=[sharding]", "strategy.sharding.stage=3", "strategy.sharding.dp_degree=2",
                "trainer.devices=4"],
     "pipeline": ["strategy=[pipeline]", "strategy.pipeline.accumulate_steps=4", "data.batch_size=64"],
@@ -153,6 +154,13 @@ def test_fsdp_stage3_gathers_padded_shards_twice_a_micro_batch_and_reduce_scatte
     # 2 micro-batches a step, each gathering in forward and in backward; gradients reduced at the last.
     every_step(traffic_of("zero3"), lambda rank, step: {"all_gather": (W, 2 * 2 * shard),
                                                         "reduce_scatter": (W, W * shard)})
+
+
+@pytest.mark.slow
+def test_fsdp_under_amp_gathers_in_bfloat16_and_reduces_in_float32(traffic_of):
+    shard = padded_shard(W)
+    every_step(traffic_of("zero3_amp"), lambda rank, step: {"all_gather": (W, 2 * shard * 2),
+                                                            "reduce_scatter": (W, W * shard * FLOAT)})
 
 
 @pytest.mark.slow
