@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.utils import average_parameters_or_parameter_groups
 from typing_extensions import override
 
-from plugins.localsgd import LocalSGDCallback
+from plugins import traffic
+from plugins.localsgd import LocalSGDCallback, count_averaging
 
 MIN_K_STEPS, MAX_K_STEPS = 1, 16
 
@@ -42,6 +43,7 @@ def averaged_loss(outputs: Any, device: torch.device) -> float:
         raise RuntimeError("adaptive local SGD needs training_step to return the loss (a tensor or a dict "
                            "with 'loss')")
     loss = loss.detach().to(device=device, dtype=torch.float64).reshape(1).clone()
+    traffic.count("all_reduce", loss)
     dist.all_reduce(loss)
     return loss.item() / dist.get_world_size()
 
@@ -68,6 +70,7 @@ class AdaptiveModelAveraging(LocalSGDCallback):
                 self.k_steps = self.init_k_steps
                 self.next_average_step = step + self.k_steps
         elif step >= self.next_average_step:
+            count_averaging(pl_module.parameters())
             average_parameters_or_parameter_groups(pl_module.parameters(), dist.group.WORLD)
             loss, lr = averaged_loss(outputs, pl_module.device), self.learning_rate(trainer)
             self.k_steps = next_k_steps(self.lr0, self.loss0, lr, loss, self.init_k_steps)

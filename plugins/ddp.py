@@ -4,7 +4,8 @@ communication hook on every device type.
 The process-group backend is left to Lightning, which picks it from the environment (nccl on
 CUDA, gloo on CPU). Lightning registers DDP communication hooks only on CUDA and skips them
 silently elsewhere; lightfleet's hooks (fp16_allreduce, localsgd, dgc, ...) must run on CPU/gloo
-too, so this strategy registers them itself.
+too, so this strategy registers them itself. While the run counts its traffic (plugins/traffic.py),
+a run without a hook of the plan gets torch's `allreduce_hook`, counted: what DDP does without one.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
+
+from plugins import traffic
 
 # Called once the process group exists (hook states may create subgroups): returns (state, hook).
 HookFactory = Callable[[], Tuple[Any, Callable]]
@@ -33,6 +36,8 @@ class FleetDDPStrategy(DDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         if self._make_comm_hook is None:
+            if traffic.counting():
+                self.model.register_comm_hook(None, traffic.counted_allreduce_hook)
             return
         self.comm_hook_state, hook = self._make_comm_hook()
         self.model.register_comm_hook(self.comm_hook_state, hook)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from plugins import traffic
 from plugins.dgc_compression import index_dtype, select
 from plugins.dgc_state import OPTIMIZER_KEY, DGCState
 from plugins.ranks import averaged, gather, own
@@ -49,6 +50,7 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
 
     if sparsity is None:  # warm-up: dense allreduce, then momentum on the average (momentum SGD)
         grad = grad.div(world_size)
+        traffic.count("all_reduce", grad, group)
         reduced = dist.all_reduce(grad, group=group, async_op=True).get_future()
 
         def apply_momentum(fut: torch.futures.Future) -> torch.Tensor:
@@ -67,6 +69,8 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
 
     all_values = [torch.empty_like(values) for _ in range(world_size)]
     all_indices = [torch.empty_like(indices) for _ in range(world_size)]
+    traffic.count("all_gather", values, group)
+    traffic.count("all_gather", indices, group)
     gathers = [dist.all_gather(all_values, values, group=group, async_op=True).get_future(),
                dist.all_gather(all_indices, indices, group=group, async_op=True).get_future()]
 

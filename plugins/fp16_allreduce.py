@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
+
+from plugins import traffic
 
 
 HOOKS = {"float16": fp16_compress_hook, "bfloat16": bf16_compress_hook}
@@ -21,9 +24,10 @@ def build_hook(dtype: str) -> Tuple[Optional[object], Callable]:
     """(state, hook) for `DistributedDataParallel.register_comm_hook`, called once the process
     group exists. The state is the process group the hook reduces over: None, the world group.
     `dtype` comes checked by FP16AllreduceConfig (runner/strategies/fp16_allreduce.py)."""
+    hook = HOOKS[dtype]
     if dtype == "bfloat16" and dist.is_initialized() and dist.get_backend() == "gloo":
-        return None, gloo_bf16_compress_hook
-    return None, HOOKS[dtype]
+        hook = gloo_bf16_compress_hook
+    return None, traffic.counted_compress_hook(hook, getattr(torch, dtype))
 
 
 def gloo_bf16_compress_hook(process_group, bucket):  # no annotations: DDP checks them, and these would be strings

@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.utils import get_params_to_average
 from typing_extensions import override
 
+from plugins import traffic
 from plugins.ranks import averaged, gather, own
 
 
@@ -26,7 +28,21 @@ def build_hook(begin_step: int) -> Tuple[PostLocalSGDState, Callable]:
     the world group for the first `begin_step` iterations, purely local afterwards."""
     state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=begin_step,
                               post_local_gradient_allreduce=False)
-    return state, post_localSGD_hook
+    return state, counted_post_localSGD_hook if traffic.counting() else post_localSGD_hook
+
+
+def counted_post_localSGD_hook(state, bucket):  # no annotations: DDP checks them, and these would be strings
+    """torch's `post_localSGD_hook`, counting the gradient all-reduce it makes while synchronous."""
+    if state.iter < state.start_localSGD_iter:
+        traffic.count("all_reduce", bucket.buffer(), state.process_group)
+    return post_localSGD_hook(state, bucket)
+
+
+def count_averaging(parameters: Any) -> None:
+    """Count the parameter averaging torch's model averaging makes: one all-reduce over the world
+    of the parameters that have gradients, flattened."""
+    if traffic.counting():
+        traffic.count("all_reduce", sum(p.numel() * p.element_size() for p in get_params_to_average(parameters)))
 
 
 class LocalSGDCallback(pl.Callback):
@@ -159,6 +175,8 @@ class ModelAveraging(LocalSGDCallback):
         # PeriodicModelAverager's schedule, to count what it does:
         since_warmup = averager.step - averager.warmup_steps
         averages = since_warmup >= 0 and since_warmup % averager.period == 0
+        if averages:
+            count_averaging(pl_module.parameters())
         averager.average_parameters(pl_module.parameters())
         return averages
 

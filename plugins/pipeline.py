@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleI
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from plugins import pipeline_checkpoint
+from plugins import pipeline_checkpoint, traffic
 from plugins.ddp import process_group_timeout
 from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.pipeline_split import in_eval_mode, keep_only_stages, stage_ranks, stage_split_points, traced_stages
@@ -140,6 +140,8 @@ class PipelineStrategy(WholeCheckpointStrategy):
         if self.layout.dp_shard > 1:
             for stage in self.stages:
                 _replicate(stage, self.device_mesh["dp_shard"].get_group())
+        for stage in self.stages:
+            traffic.count_stage_p2p(stage)
         self.schedule = self._schedule_over(self.stages)
         self.eval_schedule = self._schedule_over(self.eval_stages)
         self.setup_optimizers(trainer)
@@ -229,6 +231,7 @@ class PipelineStrategy(WholeCheckpointStrategy):
         run_schedule(*([inputs] if holds_first else []), target=targets if holds_last else None)
         loss = (torch.stack(self._micro_batch_losses).mean() if holds_last
                 else torch.zeros((), device=self.root_device))
+        traffic.count("broadcast", loss, pipeline_ranks.get_group())
         dist.broadcast(loss, group=pipeline_ranks.get_group(), group_src=self.stage_ranks[-1])
         return loss
 
@@ -255,6 +258,8 @@ def _replicate(stage: Any, group: dist.ProcessGroup) -> None:
     at its last micro-batch's backward, so gradients are averaged over the replicas once a step."""
     traced = stage.submod
     stage.submod = DistributedDataParallel(traced, process_group=group)
+    if traffic.counting():
+        stage.submod.register_comm_hook(group, traffic.counted_allreduce_hook)
     stage.submod.graph = traced.graph  # which the stage reads for its p2p metadata at the first step
 
 

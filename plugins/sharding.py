@@ -23,6 +23,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from plugins import traffic
 from plugins.ddp import FleetDDPStrategy, process_group_timeout
 from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.fast_path import constructor_defaults
@@ -48,7 +49,18 @@ def layout_mesh(device_type: str, layout: Layout, dims: Tuple[str, ...]) -> Devi
 class FleetZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
     """ZeroRedundancyOptimizer that keeps per-parameter group lists (`no_weight_decay`, one
     flag per parameter) aligned with the parameters each rank's local optimizer gets: torch
-    copies every other group key whole into each rank's share and syncs it at every step."""
+    copies every other group key whole into each rank's share and syncs it at every step; and
+    counts the parameter broadcasts of its step (plugins/traffic.py)."""
+
+    @override
+    def _broadcast_params_from_rank(self, rank: int) -> List[Any]:
+        # torch offers no public hook into the optimizer's broadcasts: this method of its makes
+        # them, one per parameter of `rank`'s share (parameters_as_bucket_view is left off).
+        if traffic.counting():
+            for group in self._partition_parameters()[rank]:
+                for param in group["params"]:
+                    traffic.count("broadcast", param, self.process_group)
+        return super()._broadcast_params_from_rank(rank)
 
     @override
     def _partition_param_group(self, param_group: Dict[str, Any], params_per_rank: List[List[torch.Tensor]]) -> None:
@@ -184,6 +196,7 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     for names in units:
         fully_shard([module.get_submodule(name) for name in names], **options)
     fully_shard(module, **options)
+    traffic.count_fsdp(module, mesh.get_group(0) if mesh.ndim == 2 else None)  # HSDP: dim 0 replicates
     return [[name] for name in kept] + units
 
 

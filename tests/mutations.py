@@ -227,9 +227,10 @@ MUTANTS = [
     Mutant("fp16-allreduce-plain-hook", "fp16_allreduce", "float16 maps to torch's plain float32 allreduce hook",
            "plugins/fp16_allreduce.py",
            "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, "
-           "fp16_compress_hook\n\n\n"
+           "fp16_compress_hook\n\nfrom plugins import traffic\n\n\n"
            'HOOKS = {"float16": fp16_compress_hook, "bfloat16": bf16_compress_hook}\n',
-           "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, bf16_compress_hook\n\n\n"
+           "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, bf16_compress_hook\n\n"
+           "from plugins import traffic\n\n\n"
            'HOOKS = {"float16": allreduce_hook, "bfloat16": bf16_compress_hook}\n',
            (module("fp16_allreduce"), wiring("fp16_allreduce"))),
     Mutant("fp16-allreduce-dtype-dropped", "fp16_allreduce", "contribute() passes no dtype: always float16",

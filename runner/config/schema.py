@@ -203,6 +203,9 @@ class MeasureConfig:
     """Measure, log the figures every log_every_n_steps and write them to results.yaml."""
     warmup_steps: int = 5
     """Optimizer steps left out of step times and throughput (allocation, autotuning, caches)."""
+    traffic: bool = False
+    """Count the payload bytes of the strategies' collectives, per rank and optimizer step, into
+    traffic/rank<R>.jsonl (docs/rehearse.md); off, nothing is counted."""
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 0, "measure.warmup_steps", self.warmup_steps, "must be >= 0")

@@ -20,6 +20,7 @@ def runner_callbacks(spec: RunSpec) -> Contribution:
     position = {"pipeline_micro_batches": pipeline.accumulate_steps} if pipeline else {}
     return Contribution(checkpoint_io=Component("runner.rank.checkpoint_io:AtomicCheckpointIO"), callbacks=[
         *([Component("runner.rank.measure:RunMeter", {"warmup_steps": measure.warmup_steps})] if measure.enabled else []),
+        *([Component("plugins.traffic:TrafficRecorder")] if measure.traffic else []),  # the collectives' bytes
         Component("runner.rank.measure:LastValidation"),  # the step of the summary's val_loss
         # checkpoints/last.ckpt at a preemption signal; a stop where training stops being finite
         Component("runner.rank.preemption:Preemption", {"stop_on_nonfinite": spec.cfg.stop_on_nonfinite}),

@@ -23,6 +23,7 @@ RESTARTS_YAML = "restarts.yaml"  # each restart of the ranks (trainer.max_restar
 REFUSED_YAML = "refused.yaml"  # why a sweep's job never started: its overrides and the reason (alone in its directory)
 METRICS_CSV = "csv/metrics.csv"  # the CSV logger's (conf/logger/csv.yaml)
 LAST_CHECKPOINT = "checkpoints/last.ckpt"  # ModelCheckpoint's save_last (conf/callbacks/model_checkpoint.yaml)
+TRAFFIC_DIR = "traffic"  # traffic/rank<R>.jsonl: each rank's collective bytes per optimizer step (measure.traffic=true)
 LOGS_DIR = "logs"  # torchelastic's per-rank stdout/stderr, and the ranks' tracebacks
 PROGRESS_LINE = "logs/progress.line"  # rank 0's progress bar as its latest line, which the command draws in place
 PROGRESS_LINE_ENV = "LIGHTFLEET_PROGRESS_LINE"  # set by the command for its ranks: the path of PROGRESS_LINE
