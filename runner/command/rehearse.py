@@ -18,8 +18,9 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from runner.command import preflight
 from runner.command.command_line import parse, quote_checkpoint_names
@@ -89,7 +90,8 @@ def rehearse(args: Sequence[str]) -> int:
     target = knobs.target(spec.trainer.accelerator)
     world = World(**plan.world)
     sharding = spec.strategies.get("sharding")
-    kinds = rank_kinds(plan.layout or Layout(dp_replicate=world.world_size), sharding.stage if sharding else None)
+    layout, stage = plan.layout or Layout(dp_replicate=world.world_size), sharding.stage if sharding else None
+    kinds = rank_kinds(layout, stage)
     if spec.cfg.dry_run:
         print(f"{format_plan(plan)}\nlightfleet rehearse would rehearse: "
               f"{'; '.join(f'rank {kind.rank} ({kind.words})' for kind in kinds)}")
@@ -104,13 +106,14 @@ def rehearse(args: Sequence[str]) -> int:
     record = {"device": {"name": target.name, "memory_gb": target.memory_gb, "device_type": target.device_type},
               "reserve": {"cuda_context_gb": knobs.reserve_context_gb, "nccl_gb": knobs.reserve_nccl_gb,
                           "fragmentation": knobs.reserve_fragmentation},
-              "world": plan.world, "layout": (plan.layout or Layout(dp_replicate=world.world_size)).to_dict()}
+              "world": plan.world, "layout": layout.to_dict()}
 
     def said(kind: RankKind, report: Mapping[str, Any]) -> None:
         print(console_line(verdict(kind, report, knobs, target), report), flush=True)
 
     try:
-        reports = run_ranks(run_dir, kinds, knobs.steps, target.device_type, knobs.at_once, said)
+        reports = run_ranks(run_dir, kinds, knobs.steps, target.device_type, knobs.at_once, said,
+                            partial(heaviest, layout=layout, sharding_stage=stage))
     except RankFailed as failure:
         write_yaml(run_dir / REHEARSAL_YAML, {**record, "fits": None, "verdict": str(failure)})
         print(failure, file=sys.stderr)
@@ -143,10 +146,11 @@ def allowed(names: List[str]) -> bool:
 
 
 def run_ranks(run_dir: Path, kinds: Sequence[RankKind], steps: int, device_type: str, at_once: int,
-              said: Callable[[RankKind, Mapping[str, Any]], None]) -> Dict[RankKind, Dict[str, Any]]:
+              said: Callable[[RankKind, Mapping[str, Any]], None],
+              more: Callable[[Mapping[str, Any], List[int]], Optional[RankKind]]) -> Dict[RankKind, Dict[str, Any]]:
     """Each kind's report, from a fresh process of the rank side each, `at_once` at a time, `said`
-    as each finishes; the heaviest rank a report names is rehearsed too. A rank that fails stops
-    the others: RankFailed."""
+    as each finishes; the kind a report asks `more` for (the heaviest rank it names) is rehearsed
+    too. A rank that fails stops the others: RankFailed."""
     pending, running, reports = list(kinds), {}, {}
     try:
         while pending or running:
@@ -160,8 +164,8 @@ def run_ranks(run_dir: Path, kinds: Sequence[RankKind], steps: int, device_type:
                 del running[kind]
                 reports[kind] = report_of(run_dir, kind, process.returncode)
                 said(kind, reports[kind])
-                more = heaviest(kind, reports[kind], [known.rank for known in [*reports, *running, *pending]])
-                pending += [more] if more else []
+                extra = more(reports[kind], [known.rank for known in [*reports, *running, *pending]])
+                pending += [extra] if extra else []
     finally:  # a failure or Ctrl-C: the others are not needed any more
         for process in running.values():
             process.terminate()

@@ -116,24 +116,31 @@ class RankKind:
 def rank_kinds(layout: Layout, sharding_stage: Optional[int] = None) -> List[RankKind]:
     """The ranks that differ: the first, a middle and the last stage of a pipeline, each at
     coordinate 0 of the other dimensions (the ranks of one sharding, tensor-parallel or replica
-    group hold equal parts; ZeRO stage 1's whole tensors are the exception, which the rank's
-    report names as its heaviest_rank: `heaviest`)."""
-    layers = [f"stage {sharding_stage}"] if sharding_stage else []
-    layers += [f"{dim} {size}" for dim, size in layout.to_dict().items() if size > 1 and dim != "pp"]
-    if layout.pp == 1:
-        return [RankKind(0, ", ".join(layers) or "one process")]
-    positions = {0: "first", layout.pp - 1: "last", **({1: "middle"} if layout.pp > 2 else {})}
-    return [RankKind(place * layout.tp, ", ".join([f"pipeline stage {place} of {layout.pp} ({position})", *layers]))
-            for place, position in sorted(positions.items())]
+    group hold equal parts; ZeRO stage 1's whole tensors are the exception, which a rank's report
+    names as its heaviest_rank: `heaviest`)."""
+    places = sorted({0, min(1, layout.pp - 1), layout.pp - 1})
+    return [RankKind(place * layout.tp, describe(place * layout.tp, layout, sharding_stage)) for place in places]
 
 
-def heaviest(kind: RankKind, report: Mapping[str, Any], known: Sequence[int]) -> Optional[RankKind]:
-    """The rank of `kind`'s layout that holds the most model state, where its report names one
-    not rehearsed yet."""
+def heaviest(report: Mapping[str, Any], known: Sequence[int], layout: Layout,
+             sharding_stage: Optional[int] = None) -> Optional[RankKind]:
+    """The rank holding the most model state, where a report names one not rehearsed yet."""
     rank = report.get("heaviest_rank")
     if rank is None or rank in known:
         return None
-    return RankKind(rank, f"{kind.words}: the most model state")
+    return RankKind(rank, f"{describe(rank, layout, sharding_stage)}: the most model state")
+
+
+def describe(rank: int, layout: Layout, sharding_stage: Optional[int]) -> str:
+    """What rank `rank` is: its pipeline stage, the sharding stage, the layout's degrees."""
+    words = []
+    if layout.pp > 1:
+        place = layout.coordinates(rank)["pp"]
+        position = "first" if place == 0 else "last" if place == layout.pp - 1 else "middle"
+        words.append(f"pipeline stage {place} of {layout.pp} ({position})")
+    words += [f"sharding stage {sharding_stage}"] if sharding_stage else []
+    words += [f"{dim} {size}" for dim, size in layout.to_dict().items() if size > 1 and dim != "pp"]
+    return ", ".join(words) or "one process"
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,8 @@ def verdict(kind: RankKind, report: Mapping[str, Any], knobs: RehearseConfig, ta
 
 def to_fit(report: Mapping[str, Any], strategies: Sequence[str], knobs: Mapping[str, Any], allowed,
            world: Mapping[str, Any], batch_size: Optional[int]) -> List[str]:
-    """What the plan does not do yet that would shrink the rank: more sharding (a higher stage) and
+    """What the plan does not do yet that would shrink the rank: more sharding (a higher stage: one
+    the pipeline does not take) and
     more processes for the model states, recompute and a smaller micro-batch for the activations,
     the larger part's first. `knobs`: the selected strategies' knobs by name; `allowed(names)`:
     whether the table allows that selection."""
@@ -174,7 +182,7 @@ def to_fit(report: Mapping[str, Any], strategies: Sequence[str], knobs: Mapping[
 
     stage = knobs["sharding"].stage if "sharding" in knobs else 0
     states, activations = [], []
-    if stage < 3 and (stage or allowed([*strategies, "sharding"])):
+    if stage < 3 and "pipeline" not in knobs and (stage or allowed([*strategies, "sharding"])):
         states.append(f"more sharding (strategy.sharding.stage={stage + 1})" if stage else
                       f"sharding ({selection('sharding')} strategy.sharding.stage=3)")
     if stage:  # sharded states shrink with the processes sharing them
