@@ -272,6 +272,9 @@ def test_the_whole_command_with_stand_in_ranks_fits_and_does_not_fit(tmp_path):
     assert record["ranks"][0]["reserve_bytes"] == {"cuda_context": GIB, "nccl": GIB, "fragmentation": int(3.7 * MIB)}
     assert record["ranks"][0]["report"]["asked"] == {"steps": 3, "device_type": "cuda"}
     assert {"config.yaml", "plan.yaml", "env.yaml"} <= {path.name for path in run.iterdir()}
+    # Planned for the cluster's GPUs on a machine without one: a CUDA run turns cudnn.benchmark on.
+    assert yaml.safe_load((run / "plan.yaml").read_text())["trainer_args"]["benchmark"] == {"value": True,
+                                                                                         "by": "collective"}
 
     small = with_stand_in(tmp_path, *layout, "rehearse.device_memory_gb=1.5", "paths.output_dir=small")
     assert one_line(small) == (
