@@ -207,6 +207,14 @@ def gib(count: float) -> str:
     return f"{count / GIB:.1f} GiB" if count >= GIB else f"{count / 2**20:.1f} MiB"
 
 
+def payload(count: float) -> str:
+    """Bytes on the wire in GB (10^9, as networks count), or MB, kB for a small model's."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count / 1e3:.1f} kB"
+
+
 def console_line(verdict: Verdict, report: Mapping[str, Any]) -> str:
     """`rank 0 (stage 3, dp_shard 128): peak 31.2 GiB + reserve 5.1 GiB of 80.0 GiB: fits | params
     ... | all_gather 3.1 GB ... a step`: the verdict, the memory's parts, each collective's bytes."""
@@ -218,7 +226,7 @@ def console_line(verdict: Verdict, report: Mapping[str, Any]) -> str:
     by_op: Dict[str, int] = {}
     for row in report.get("collectives") or []:
         by_op[row["op"]] = by_op.get(row["op"], 0) + row["bytes"]
-    traffic = " ".join(f"{op} {count / 1e9:.1f} GB" for op, count in by_op.items()) or "no collectives"
+    traffic = " ".join(f"{op} {payload(count)}" for op, count in by_op.items()) or "no collectives"
     where = " at the checkpoint save" if verdict.at_checkpoint else ""
     return (f"rank {verdict.kind.rank} ({verdict.kind.words}): peak {gib(verdict.peak)}{where} + reserve "
             f"{gib(sum(verdict.reserve.values()))} of {gib(verdict.memory)}: "
