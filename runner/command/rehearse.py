@@ -20,15 +20,21 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from runner.command import preflight
 from runner.command.command_line import parse, quote_checkpoint_names
-from runner.config.rehearse import (RankKind, RehearseConfig, console_line, heaviest, rank_kinds, refusal,
-                                    to_fit, verdict)
+from runner.config.compat import check, load_table
+from runner.config.rehearse import (RankKind, RehearseConfig, Target, Verdict, console_line, heaviest, rank_kinds,
+                                    refusal, to_fit, verdict)
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
 from runner.core.world import Layout, World
+from runner.rank.parent import INTERRUPTED, exit_status
 from runner.records.files import REHEARSAL_REPORT, REHEARSAL_YAML
+
+if TYPE_CHECKING:  # imported once the preflight allows the rehearsal
+    from runner.config.checks import RunSpec
+    from runner.core.plan import Plan
 
 # The rank side: `python -m RANK_MODULE RUN_DIR --rank R --steps S --device-type cuda|cpu --out REPORT.json`.
 RANK_MODULE = "runner.rank.rehearse"
@@ -63,9 +69,7 @@ def main(args: Sequence[str]) -> int:
         with exit_on_user_error():
             preflight.command_line(args)
             return rehearse(args)
-    except KeyboardInterrupt:
-        from runner.rank.parent import INTERRUPTED
-
+    except KeyboardInterrupt:  # during the preflight (the ranks' rehearsal takes it itself)
         print("lightfleet: interrupted", file=sys.stderr)
         return INTERRUPTED
 
@@ -73,7 +77,9 @@ def main(args: Sequence[str]) -> int:
 def rehearse(args: Sequence[str]) -> int:
     from omegaconf import OmegaConf
 
+    from runner.command.launch import stopping_at_once
     from runner.core.plan import format_plan
+    from runner.rank.preemption import Preempted
     from runner.records.run_dir import create_run_dir, write_yaml
 
     parsed, _, config_name = parse(list(args))
@@ -112,21 +118,19 @@ def rehearse(args: Sequence[str]) -> int:
         print(console_line(verdict(kind, report, knobs, target), report), flush=True)
 
     try:
-        reports = run_ranks(run_dir, kinds, knobs.steps, target.device_type, knobs.at_once, said,
-                            partial(heaviest, layout=layout, sharding_stage=stage))
-    except RankFailed as failure:
-        write_yaml(run_dir / REHEARSAL_YAML, {**record, "fits": None, "verdict": str(failure)})
-        print(failure, file=sys.stderr)
-        return failure.code
-    verdicts = sorted((verdict(kind, report, knobs, target) for kind, report in reports.items()),
-                      key=lambda judged: judged.kind.rank)
-    worst = max(verdicts, key=lambda judged: judged.needs - judged.memory)
-    problem = None if worst.fits else refusal(worst, knobs, to_fit(
-        reports[worst.kind], plan.strategies, spec.strategies, allowed, plan.world, spec.batch_size))
+        with stopping_at_once():  # a signal ends the ranks with the command (run_ranks' finally)
+            reports = run_ranks(run_dir, kinds, knobs.steps, target.device_type, knobs.at_once, said,
+                                partial(heaviest, layout=layout, sharding_stage=stage))
+    except (RankFailed, Preempted) as failure:
+        ending = (f"lightfleet: rehearsal stopped by {signal.Signals(failure.signum).name}"
+                  if isinstance(failure, Preempted) else str(failure))
+        write_yaml(run_dir / REHEARSAL_YAML, {**record, "fits": None, "verdict": ending})
+        print(ending, file=sys.stderr)
+        return exit_status(failure.signum) if isinstance(failure, Preempted) else failure.code
+    verdicts, problem = judged(reports, knobs, target, spec, plan)
     record.update(fits=problem is None, verdict=f"lightfleet: error: {problem}" if problem else "fits", ranks=[
-        {"rank": judged.kind.rank, "kind": judged.kind.words, "fits": judged.fits, "needs_bytes": judged.needs,
-         "peak_bytes": judged.peak, "reserve_bytes": judged.reserve, "report": reports[judged.kind]}
-        for judged in verdicts])
+        {"rank": one.kind.rank, "kind": one.kind.words, "fits": one.fits, "needs_bytes": one.needs,
+         "peak_bytes": one.peak, "reserve_bytes": one.reserve, "report": reports[one.kind]} for one in verdicts])
     write_yaml(run_dir / REHEARSAL_YAML, record)
     if problem:
         raise problem
@@ -134,10 +138,20 @@ def rehearse(args: Sequence[str]) -> int:
     return 0
 
 
+def judged(reports: Mapping[RankKind, Mapping[str, Any]], knobs: RehearseConfig, target: Target,
+           spec: "RunSpec", plan: "Plan") -> Tuple[List[Verdict], Optional[ConfigError]]:
+    """Each kind's verdict, by rank, and the refusal of the one that misses most (None: all fit)."""
+    verdicts = sorted((verdict(kind, report, knobs, target) for kind, report in reports.items()),
+                      key=lambda one: one.kind.rank)
+    worst = max(verdicts, key=lambda one: one.needs - one.memory)
+    if worst.fits:
+        return verdicts, None
+    ways = to_fit(reports[worst.kind], plan.strategies, spec.strategies, allowed, plan.world, spec.batch_size)
+    return verdicts, refusal(worst, knobs, ways)
+
+
 def allowed(names: List[str]) -> bool:
     """Whether the table allows the strategies `names` together."""
-    from runner.config.compat import check, load_table
-
     try:
         check(names, load_table())
     except (ConfigError, Refusal):
@@ -166,7 +180,7 @@ def run_ranks(run_dir: Path, kinds: Sequence[RankKind], steps: int, device_type:
                 said(kind, reports[kind])
                 extra = more(reports[kind], [known.rank for known in [*reports, *running, *pending]])
                 pending += [extra] if extra else []
-    finally:  # a failure or Ctrl-C: the others are not needed any more
+    finally:  # a failure or a signal: the others are not needed any more
         for process in running.values():
             process.terminate()
             process.wait()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from runner.config.rehearse import GIB, RankKind, RehearseConfig, heaviest, rank
 from runner.core.errors import ConfigError
 from runner.core.world import Layout
 from tests.helpers.commands import command_env
+from tests.helpers.preemption import wait_for, wait_gone
 
 MIB = 2**20
 # The stand-in's figures, per rank: 4 MiB parameters, 4 MiB gradients, 8 MiB optimizer states,
@@ -43,6 +45,10 @@ args = parser.parse_args()
 plan = yaml.safe_load((Path(args.run_dir) / "plan.yaml").read_text())
 config = yaml.safe_load((Path(args.run_dir) / "config.yaml").read_text())
 world = plan["world"]["world_size"]
+if os.environ.get("STAND_IN_WAITS"):  # a rank the test signals the command during
+    Path(args.out).with_suffix(".pid").write_text(str(os.getpid()))
+    import time
+    time.sleep(120)
 if os.environ.get("STAND_IN_REFUSES"):
     print("lightfleet: error: strategy.sharding.mp_degree=3: does not divide the model's 4 heads", file=sys.stderr)
     sys.exit(2)
@@ -73,14 +79,19 @@ sys.exit(code)
 '''
 
 
-def with_stand_in(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """The real command, fresh, from `cwd`, whose ranks are STAND_IN's."""
+def stand_in_command(cwd: Path, *args: str, **env: str) -> tuple:
+    """The real command line and environment, run from `cwd`, whose ranks are STAND_IN's."""
     (cwd / "stand_in_rank.py").write_text(STAND_IN)
     (cwd / "drive.py").write_text(DRIVER)
     environment = command_env(**env)
     environment["PYTHONPATH"] += os.pathsep + str(cwd)
-    return subprocess.run([sys.executable, str(cwd / "drive.py"), "rehearse", *args], cwd=cwd, env=environment,
-                          capture_output=True, text=True, timeout=300)
+    return [sys.executable, str(cwd / "drive.py"), "rehearse", *args], environment
+
+
+def with_stand_in(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The real command, fresh, from `cwd`, whose ranks are STAND_IN's."""
+    command, environment = stand_in_command(cwd, *args, **env)
+    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=300)
 
 
 def one_line(done: subprocess.CompletedProcess) -> str:
@@ -295,6 +306,23 @@ def test_a_rank_that_refuses_its_layout_is_its_one_line_and_exit_2(tmp_path):
                               "(rank 0: sharding stage 1, dp_shard 4)")
     record = yaml.safe_load((tmp_path / "out" / "rehearsal.yaml").read_text())
     assert record["fits"] is None and record["verdict"] == done.stderr.strip()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_command_ends_its_ranks_and_says_so(tmp_path):
+    command, environment = stand_in_command(tmp_path, "trainer.devices=2", "paths.output_dir=out", STAND_IN_WAITS="1")
+    started = subprocess.Popen(command, cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    pid_file = tmp_path / "out" / "rehearse" / "rank-0.pid"
+    wait_for(pid_file, started)
+    rank = int(pid_file.read_text())
+    started.send_signal(signal.SIGTERM)
+    out, err = started.communicate(timeout=60)
+    assert started.returncode == 143, err
+    assert err.strip() == "lightfleet: rehearsal stopped by SIGTERM"
+    wait_gone([rank], within=10)
+    record = yaml.safe_load((tmp_path / "out" / "rehearsal.yaml").read_text())
+    assert record["fits"] is None and record["verdict"] == err.strip()
 
 
 @pytest.mark.slow
