@@ -77,9 +77,7 @@ def main(args: Sequence[str]) -> int:
 def rehearse(args: Sequence[str]) -> int:
     from omegaconf import OmegaConf
 
-    from runner.command.launch import stopping_at_once
     from runner.core.plan import format_plan
-    from runner.rank.preemption import Preempted
     from runner.records.run_dir import create_run_dir, write_yaml
 
     parsed, _, config_name = parse(list(args))
@@ -113,6 +111,9 @@ def rehearse(args: Sequence[str]) -> int:
               "reserve": {"cuda_context_gb": knobs.reserve_context_gb, "nccl_gb": knobs.reserve_nccl_gb,
                           "fragmentation": knobs.reserve_fragmentation},
               "world": plan.world, "layout": layout.to_dict()}
+
+    from runner.command.launch import stopping_at_once  # torch's and Lightning's: after the preflight
+    from runner.rank.preemption import Preempted
 
     def said(kind: RankKind, report: Mapping[str, Any]) -> None:
         print(console_line(verdict(kind, report, knobs, target), report), flush=True)
