@@ -14,6 +14,7 @@ status 2 and one line naming what would make it fit.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -207,5 +208,13 @@ def report_of(run_dir: Path, kind: RankKind, code: int) -> Dict[str, Any]:
     lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
     if code == 2 and lines and lines[-1].startswith(("lightfleet: error: ", "lightfleet: refused: ")):
         raise RankFailed(f"{lines[-1]} (rank {kind.rank}: {kind.words})", 2)
-    ending = f"killed by {signal.Signals(-code).name}" if code < 0 else (lines[-1] if lines else f"exit status {code}")
+    ending = f"killed by {signal.Signals(-code).name}" if code < 0 else error_of(lines) or f"exit status {code}"
     raise RankFailed(f"lightfleet: rehearsal failed: rank {kind.rank} ({kind.words}): {ending}; log {log}", 1)
+
+
+def error_of(lines: Sequence[str]) -> Optional[str]:
+    """The error a rank's output ends with: its traceback's `XError: ...` line (torch prefixes a
+    rank's lines with `[rankR]: `; an error's message may run on over more lines), else its last line."""
+    plain = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in lines]
+    errors = [line for line in plain if re.match(r"[\w.]+(Error|Exception|Interrupt)\b.*: ", line)]
+    return (errors or plain or [None])[-1]

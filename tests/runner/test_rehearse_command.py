@@ -49,6 +49,10 @@ if os.environ.get("STAND_IN_WAITS"):  # a rank the test signals the command duri
     Path(args.out).with_suffix(".pid").write_text(str(os.getpid()))
     import time
     time.sleep(120)
+if os.environ.get("STAND_IN_FAILS"):  # a traceback whose message runs over two lines, as torch's do
+    print("Traceback (most recent call last):\\n[rank0]:   File \\"x.py\\", line 1\\n[rank0]: RuntimeError: The "
+          "tensor has no data\\n[rank0]: If you are using Caffe2, call mutable_data()", file=sys.stderr)
+    sys.exit(1)
 if os.environ.get("STAND_IN_REFUSES"):
     print("lightfleet: error: strategy.sharding.mp_degree=3: does not divide the model's 4 heads", file=sys.stderr)
     sys.exit(2)
@@ -299,13 +303,19 @@ def test_the_whole_command_with_stand_in_ranks_fits_and_does_not_fit(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_that_refuses_its_layout_is_its_one_line_and_exit_2(tmp_path):
+def test_a_rank_that_refuses_its_layout_or_fails_is_one_line(tmp_path):
     done = with_stand_in(tmp_path, "trainer.devices=4", "strategy=[sharding]", "paths.output_dir=out",
                          STAND_IN_REFUSES="1")
     assert one_line(done) == ("lightfleet: error: strategy.sharding.mp_degree=3: does not divide the model's 4 heads "
                               "(rank 0: sharding stage 1, dp_shard 4)")
     record = yaml.safe_load((tmp_path / "out" / "rehearsal.yaml").read_text())
     assert record["fits"] is None and record["verdict"] == done.stderr.strip()
+    failed = with_stand_in(tmp_path, "trainer.devices=4", "strategy=[sharding]", "paths.output_dir=failed",
+                           STAND_IN_FAILS="1")
+    log = tmp_path / "failed" / "rehearse" / "rank-0.log"
+    assert failed.returncode == 1 and failed.stderr == (
+        f"lightfleet: rehearsal failed: rank 0 (sharding stage 1, dp_shard 4): RuntimeError: The tensor has no data; "
+        f"log {log}\n")
 
 
 @pytest.mark.slow
