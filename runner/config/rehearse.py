@@ -18,6 +18,7 @@ from runner.core.world import Layout
 
 KEY = "rehearse."
 GIB = 2**30
+REHEARSED_ACCELERATORS = ("auto", "gpu", "cuda", "cpu")  # auto: the cluster's GPUs
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations")  # what the console line shows
 
 
@@ -71,6 +72,8 @@ class RehearseConfig:
     def target(self, accelerator: str) -> "Target":
         """The device each rank is rehearsed for: CUDA unless the run asks for the CPU
         (trainer.accelerator=cpu), whose memory per process only the user can say."""
+        require(accelerator in REHEARSED_ACCELERATORS, "trainer.accelerator", accelerator,
+                f"a rehearsal is of a run on CUDA devices or CPUs: {', '.join(REHEARSED_ACCELERATORS)}")
         device_type = "cpu" if accelerator == "cpu" else "cuda"
         if device_type == "cpu":
             require(self.device_memory_gb is not None, KEY + "device_memory_gb", None,

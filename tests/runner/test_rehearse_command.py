@@ -118,6 +118,7 @@ def one_line(done: subprocess.CompletedProcess) -> str:
     (["rehearse.reserve_fragmentation=1.5"], "rehearse.reserve_fragmentation=1.5: must be in [0, 1)"),
     (["trainer.accelerator=cpu"], "rehearse.device_memory_gb: a run with trainer.accelerator=cpu is rehearsed"),
     (["trainer.devices=auto"], "trainer.devices='auto': lightfleet rehearse needs a known process count"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator='tpu': a rehearsal is of a run on CUDA devices or CPUs"),
     (["strategy=[sharding,dgc]"], "refused"),
 ])
 def test_a_bad_knob_is_one_line_before_torch_and_nothing_is_written(tmp_path, overrides, fragment):
