@@ -273,9 +273,9 @@ STAGES = (
     Stage("cross-field rules", "parameter_server.mode=geo becomes localsgd, the two-level allreduce sets hybrid "
           "sharding's degrees (each against an explicit setting), evaluate needs ckpt_path, test excludes the "
           "pipeline", cross_field_rules),
-    Stage("the rehearsed device", "a process count (trainer.devices a number); rehearse.device or "
-          "rehearse.device_memory_gb gives the memory each rank must fit (with trainer.accelerator=cpu, "
-          "rehearse.device_memory_gb must)", rehearsed_device,
+    Stage("the rehearsed device", "a process count (trainer.devices a number); trainer.accelerator auto, "
+          "gpu, cuda (the cluster's GPUs) or cpu; rehearse.device or rehearse.device_memory_gb gives the memory "
+          "each rank must fit (with trainer.accelerator=cpu, rehearse.device_memory_gb must)", rehearsed_device,
           rehearsal="only"),
     Stage("table", "the selected strategies (also an experiment's, or geo's localsgd) against conf/compat.yaml",
           table),
