@@ -31,4 +31,5 @@ LAYERS = (
 )
 # What imports neither torch, Lightning, Hydra nor OmegaConf: a refused command never loads them.
 PURE = ("core", "strategies", "config.schema", "config.collective", "config.fast_path", "config.compat",
-        "config.knobs", "config.values")
+        "config.knobs", "config.values",
+        "config.rehearse")

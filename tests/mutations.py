@@ -547,6 +547,20 @@ MUTANTS = [
     Mutant("experiment-setting-lost", "experiments", "mlp_localsgd averages every step (its k_steps line lost)",
            "experiments/mlp_localsgd.yaml", "    k_steps: 4\n", "",
            (select("tests/runner/test_plan.py", "shipped"),)),
+    # lightfleet rehearse (issue 42): the ranks it picks, the reserve, the preflight it skips.
+    Mutant("rehearse-no-middle-stage", "rehearse", "a pipeline's middle stages are never rehearsed",
+           "runner/config/rehearse.py", "places = sorted({0, min(1, layout.pp - 1), layout.pp - 1})",
+           "places = sorted({0, layout.pp - 1})",
+           (select("tests/runner/test_rehearse_command.py", "one_per_pipeline"),)),
+    Mutant("rehearse-checkpoint-peak-ignored", "rehearse", "a checkpoint save that peaks above the step is not held "
+           "against the device", "runner/config/rehearse.py", "peak = max(step, checkpoint)", "peak = step",
+           (select("tests/runner/test_rehearse_command.py", "reserve"),)),
+    Mutant("rehearse-checks-this-machine", "rehearse", "a rehearsal of several nodes asks for the cluster's "
+           "rendezvous variables", "runner/command/preflight.py",
+           'return self.rehearsal in ("runs", "only") if rehearsal else self.rehearsal != "only"',
+           'return self.rehearsal != "only" or rehearsal',
+           (select("tests/runner/test_preflight.py", "order_the_design"),
+            select("tests/runner/test_rehearse_command.py", "rendezvous"))),
 ]
 
 

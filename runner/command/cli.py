@@ -91,6 +91,10 @@ def main_of(subcommand: str):
         from runner.data.prepare import main as prepare_main
 
         return prepare_main
+    if subcommand == "rehearse":
+        from runner.command.rehearse import main as rehearse_main
+
+        return rehearse_main
     from runner.fleet.cli import main as fleet_main
 
     return fleet_main

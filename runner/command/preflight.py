@@ -42,6 +42,7 @@ class Flight:
     start_step: Optional[int] = None  # the step ckpt_path was saved at (None: no ckpt_path)
     checkpoint: Optional["CheckpointContents"] = None  # what ckpt_path holds (None: no ckpt_path)
     notes: List[str] = field(default_factory=list)  # what the stages before the plan have to say in it
+    rehearsal: bool = False  # checked for `lightfleet rehearse`: planned for the cluster, not this machine
 
     def for_the_job(self) -> "Flight":
         """What the job takes: the checked config, plan and start step (the meta-device model, the
@@ -56,6 +57,10 @@ class Stage:
     refuses: str  # what it checks, for docs/preflight.md
     run: Callable[..., Any]
     per_job: bool = True  # runs on each job's Flight; else the command runs it (runner/command/cli.py)
+    rehearsal: str = "runs"  # in `lightfleet rehearse`: "runs", "only" (a rehearsal's own), or why it skips it
+
+    def runs_in(self, rehearsal: bool) -> bool:
+        return self.rehearsal in ("runs", "only") if rehearsal else self.rehearsal != "only"
 
 
 def command_line(args: Sequence[str]) -> None:
@@ -107,6 +112,13 @@ def cross_field_rules(flight: Flight) -> None:
     apply_cross_field_rules(flight.spec)
 
 
+def rehearsed_device(flight: Flight) -> None:
+    from omegaconf import OmegaConf
+
+    World.of(flight.spec.trainer).known_size("lightfleet rehearse")
+    OmegaConf.to_object(flight.spec.cfg.rehearse).target(flight.spec.trainer.accelerator)
+
+
 def table(flight: Flight) -> None:
     check(list(flight.spec.strategies), load_table())
 
@@ -116,7 +128,8 @@ def plan(flight: Flight) -> None:
     from runner.command.resume_world import keep_global_batch
     from runner.config.checks import check_epoch
 
-    flight.plan = plan_for(flight.spec)
+    # A rehearsal plans for the cluster's devices: CUDA unless the run asks for the CPU.
+    flight.plan = plan_for(flight.spec, cuda_available=(lambda: True) if flight.rehearsal else None)
     if flight.checkpoint is not None and not flight.spec.cfg.evaluate:
         flight.spec, flight.plan = keep_global_batch(flight.spec, flight.plan, flight.checkpoint,
                                                      Path(flight.spec.cfg.ckpt_path))
@@ -206,13 +219,14 @@ def checkpoint_on_the_model(flight: Flight) -> None:
         check_weights_fit(Path(flight.spec.cfg.ckpt_path), flight.checkpoint, flight.model)
 
 
-def run_directory(cfg: "DictConfig", plan: Plan) -> Tuple[Path, str]:
+def run_directory(cfg: "DictConfig", plan: Plan, rehearsal: bool = False) -> Tuple[Path, str]:
     """The last stage of a run: its directory (hydra.run.dir), and the subdirectory this copy of the
-    command records into (a second node's, or an externally launched rank's)."""
+    command records into (a second node's, or an externally launched rank's; a rehearsal is one
+    command for every node)."""
     from runner.records.run_dir import records_subdir, reserve_dir
 
     check_directories(cfg, "paths.output_dir")
-    subdir = records_subdir(World(**plan.world))
+    subdir = "" if rehearsal else records_subdir(World(**plan.world))
     return reserve_dir(cfg, "hydra.run.dir", "paths.output_dir", subdir), subdir
 
 
@@ -259,6 +273,10 @@ STAGES = (
     Stage("cross-field rules", "parameter_server.mode=geo becomes localsgd, the two-level allreduce sets hybrid "
           "sharding's degrees (each against an explicit setting), evaluate needs ckpt_path, test excludes the "
           "pipeline", cross_field_rules),
+    Stage("the rehearsed device", "a process count (trainer.devices a number); trainer.accelerator auto, "
+          "gpu, cuda (the cluster's GPUs) or cpu; rehearse.device or rehearse.device_memory_gb gives the memory "
+          "each rank must fit (with trainer.accelerator=cpu, rehearse.device_memory_gb must)", rehearsed_device,
+          rehearsal="only"),
     Stage("table", "the selected strategies (also an experiment's, or geo's localsgd) against conf/compat.yaml",
           table),
     Stage("checkpoint", "ckpt_path exists, its bytes match its manifest (sha256; damaged or truncated: "
@@ -277,7 +295,9 @@ STAGES = (
           "where none does, naming the process counts that do; refused for a checkpoint whose position is per "
           "rank: runner/command/resume_world.py)", plan),
     Stage("world and devices", "multi-node rendezvous variables; the accelerator and devices this machine "
-          "has (GPU count and ids, device ids on CPU)", world_and_devices),
+          "has (GPU count and ids, device ids on CPU)", world_and_devices,
+          rehearsal="a rehearsal builds every rank on fake tensors in a fake process group, on this machine: "
+                    "the cluster's rendezvous variables and devices are not needed here"),
     Stage("targets and the model on the meta device", "the model and the data are a LightningModule and a "
           "LightningDataModule; every `_target_` node's arguments against its constructor (names, required "
           "ones, types); the loggers' packages installed; the model built on the meta device and the data module "
@@ -308,16 +328,16 @@ RANK_ONLY = (
 JOB_STAGES = tuple(stage for stage in STAGES if stage.per_job)
 
 
-
 def job_overrides(overrides: Sequence[str]) -> Tuple[str, ...]:
     """The overrides as Hydra hands them to the job (hydra.overrides.task): without hydra.* keys."""
     return tuple(o for o in overrides if not o.lstrip("+~").startswith("hydra"))
 
 
-def check_job(cfg: "DictConfig") -> Flight:
-    """Run the job stages on `cfg`, a composed config. With its `hydra` node (as the command
-    composes it), `${hydra:...}` is made to resolve as it will in the job and the stages check the
-    config without it; without one (as a job gets it), Hydra has set that up already."""
+def check_job(cfg: "DictConfig", rehearsal: bool = False) -> Flight:
+    """Run the job stages on `cfg`, a composed config (those of a `rehearsal`, for `lightfleet
+    rehearse`). With its `hydra` node (as the command composes it), `${hydra:...}` is made to
+    resolve as it will in the job and the stages check the config without it; without one (as a
+    job gets it), Hydra has set that up already."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
@@ -326,9 +346,10 @@ def check_job(cfg: "DictConfig") -> Flight:
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
-    flight = Flight(cfg)
+    flight = Flight(cfg, rehearsal=rehearsal)
     for stage in JOB_STAGES:
-        stage.run(flight)
+        if stage.runs_in(rehearsal):
+            stage.run(flight)
     return flight
 
 
@@ -338,7 +359,10 @@ def document() -> str:
              "Generated by `python -m runner.command.preflight` from `runner/command/preflight.py`. Every check",
              "below runs in the command, in this order, before any directory is made or any process started;",
              "a refusal is one line naming the key, the value and what is allowed, with exit status 2.", ""]
-    lines += [f"{number}. **{stage.name}**: {stage.refuses}." for number, stage in enumerate(STAGES, 1)]
+    lines += [f"{number}. **{stage.name}**{' (`lightfleet rehearse` only)' if stage.rehearsal == 'only' else ''}: "
+              f"{stage.refuses}." for number, stage in enumerate(STAGES, 1)]
+    lines += ["", "A rehearsal (`lightfleet rehearse`, docs/rehearse.md) skips:", ""]
+    lines += [f"- **{stage.name}**: {stage.rehearsal}." for stage in STAGES if stage.rehearsal not in ("runs", "only")]
     lines += ["", "What only a rank can know is checked there:", ""]
     lines += [f"- {item}." for item in RANK_ONLY]
     return "\n".join(lines) + "\n"

@@ -18,6 +18,8 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
                "stopped sweep's jobs: resume SWEEP_DIR)"),
     "eval": ("RUN_DIR [KEY=VALUE ...]", "evaluate a run's last checkpoint on the validation data (test=true: and test)"),
     "replay": ("RUN_DIR [KEY=VALUE ...]", "train again from the config a run saved, into a new directory"),
+    "rehearse": ("[KEY=VALUE ...]", "rehearse a run of any size on this machine: each kind of rank's memory and "
+                 "traffic, and whether it fits the device (docs/rehearse.md)"),
     "report": ("[PATH ...]", "compare runs and sweeps: report.md, report.csv and plots"),
     "import-fleet": ("FILE [-o FILE]", "a Fleet strategy file (prototxt) as a lightfleet experiment"),
     "export-fleet": ("RUN_DIR [-o FILE]", "a run's strategies as a Fleet strategy file"),

@@ -51,7 +51,7 @@ def check_schema(cfg: DictConfig) -> RunSpec:
         plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
         merged = OmegaConf.merge(OmegaConf.structured(schema.RunConfig), plain)
         knobs = {node: OmegaConf.to_object(merged[node])
-                 for node in ("measure", "collective", "parameter_server", "fast_path")}
+                 for node in ("measure", "collective", "parameter_server", "fast_path", "rehearse")}
         strategies = selected_strategies(merged)
         trainer = OmegaConf.to_object(merged.trainer)
         for key, node in [*knobs.items(), ("trainer", trainer), *((f"strategy.{n}", k) for n, k in strategies.items())]:

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 from runner import strategies
 from runner.config.collective import CollectiveConfig, ParameterServerConfig
 from runner.config.fast_path import FastPathConfig
+from runner.config.rehearse import RehearseConfig
 from runner.core.errors import require
 
 # One field per strategy of the registry.
@@ -239,6 +240,8 @@ class RunConfig:
     """Fleet's parameter-server modes: sync (data parallelism) and geo (localsgd); async ones are refused."""
     fast_path: FastPathConfig = field(default_factory=FastPathConfig)
     """torch.compile, fused optimizers and the attention kernel."""
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
+    """What `lightfleet rehearse` holds each rank against: the device, the reserve, the steps."""
     name: str = "default"
     """Name of the run (experiments set it)."""
     seed: int = 0

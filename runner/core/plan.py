@@ -69,13 +69,19 @@ class Plan:
         return asdict(self)
 
     @property
+    def layout(self) -> Optional[Layout]:
+        """The layout the Lightning strategy is given (sharding's, the pipeline's); None: every
+        process a replica of the whole model."""
+        layout = self.lightning_strategy.component.kwargs.get("layout") if self.lightning_strategy else None
+        return None if layout is None else Layout(**layout)
+
+    @property
     def data_parallel_size(self) -> Optional[int]:
         """How many processes read different batches: the replicas of the layout the Lightning
         strategy is given (sharding's, the pipeline's), else every process (None: not known before
         Lightning resolves trainer.devices=auto)."""
-        layout = self.lightning_strategy.component.kwargs.get("layout") if self.lightning_strategy else None
-        if layout is not None:
-            return Layout(**layout).data_parallel_size
+        if self.layout is not None:
+            return self.layout.data_parallel_size
         size = self.world["world_size"]
         return size if isinstance(size, int) else None
 

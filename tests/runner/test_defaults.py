@@ -39,7 +39,8 @@ def test_a_strategy_config_file_selects_its_schema_and_sets_no_knob(name):
         f"{strategies.schemas()[name].__name__} (runner/strategies/{name}.py) only; write `{name}: {{}}`")
 
 
-@pytest.mark.parametrize("group, knobs", [("collective", schema.CollectiveConfig), ("fast_path", schema.FastPathConfig)])
+@pytest.mark.parametrize("group, knobs", [("collective", schema.CollectiveConfig), ("fast_path", schema.FastPathConfig),
+                                          ("rehearse", schema.RehearseConfig)])
 def test_the_collective_and_fast_path_config_files_set_no_knob(group, knobs):
     path = CONF_DIR / group / "default.yaml"
     home = Path(inspect.getsourcefile(knobs)).relative_to(PROJECT_ROOT)

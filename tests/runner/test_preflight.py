@@ -34,11 +34,17 @@ def test_docs_list_the_stages_in_order():
 def test_the_stages_run_in_the_order_the_design_names():
     assert preflight.stage_names() == [
         "table, from the command line", "compose", "strategy list, from the command line", "schema and ranges",
-        "cross-field rules", "table", "checkpoint", "plan",
+        "cross-field rules", "the rehearsed device", "table", "checkpoint", "plan",
         "world and devices", "targets and the model on the meta device", "the model on one batch",
         "the plan on the model", "the checkpoint on the model",
         "directories"]
     assert [stage.name for stage in preflight.JOB_STAGES] == preflight.stage_names()[2:-1]
+    # A run skips the rehearsal's own stage; a rehearsal (lightfleet rehearse) the cluster's devices.
+    job = preflight.stage_names()[2:-1]
+    assert [stage.name for stage in preflight.JOB_STAGES if stage.runs_in(rehearsal=False)] == [
+        name for name in job if name != "the rehearsed device"]
+    assert [stage.name for stage in preflight.JOB_STAGES if stage.runs_in(rehearsal=True)] == [
+        name for name in job if name != "world and devices"]
 
 
 @pytest.mark.parametrize("overrides, refusal", [
