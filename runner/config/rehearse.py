@@ -6,26 +6,17 @@ figures are what they are. Pure: no torch (runner/command/rehearse.py runs the r
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-import yaml
-
 from runner.core.errors import ConfigError, require
-from runner.core.paths import CONF_DIR
+from runner.core.prediction import load_devices
 from runner.core.world import Layout
 
 KEY = "rehearse."
 GIB = 2**30
 REHEARSED_ACCELERATORS = ("auto", "gpu", "cuda", "cpu")  # auto: the cluster's GPUs
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_states", "activations")  # what the console line shows
-
-
-@functools.lru_cache(maxsize=None)
-def device_table() -> Dict[str, Dict[str, Any]]:
-    """conf/devices.yaml: each device's memory_gb, FLOP/s by dtype and bandwidths."""
-    return yaml.safe_load((CONF_DIR / "devices.yaml").read_text())
 
 
 @dataclass
@@ -56,7 +47,7 @@ class RehearseConfig:
     split and cached between steps)."""
 
     def __post_init__(self) -> None:
-        devices = device_table()
+        devices = load_devices()
         require(self.device in devices, KEY + "device", self.device, f"allowed: {', '.join(devices)} "
                 f"(conf/devices.yaml), or rehearse.device_memory_gb for another", tuple(devices))
         require(self.device_memory_gb is None or self.device_memory_gb > 0, KEY + "device_memory_gb",
@@ -80,7 +71,7 @@ class RehearseConfig:
                     "a run with trainer.accelerator=cpu is rehearsed against the host memory one process may "
                     "use: give it in GiB (e.g. rehearse.device_memory_gb=16)")
             return Target("cpu", self.device_memory_gb, device_type)
-        memory = self.device_memory_gb if self.device_memory_gb is not None else device_table()[self.device]["memory_gb"]
+        memory = self.device_memory_gb if self.device_memory_gb is not None else load_devices()[self.device].memory_gb
         return Target(self.device, memory, device_type)
 
     def memory_key(self) -> str:
