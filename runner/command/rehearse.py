@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -29,6 +30,7 @@ from runner.config.compat import check, load_table
 from runner.config.rehearse import (RankKind, RehearseConfig, Target, Verdict, console_line, heaviest, rank_kinds,
                                     refusal, to_fit, verdict)
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
+from runner.core.prediction import Prediction, load_devices, predict
 from runner.core.world import Layout, World
 from runner.rank.parent import INTERRUPTED, exit_status
 from runner.records.files import REHEARSAL_REPORT, REHEARSAL_YAML
@@ -130,9 +132,15 @@ def rehearse(args: Sequence[str]) -> int:
         print(ending, file=sys.stderr)
         return exit_status(failure.signum) if isinstance(failure, Preempted) else failure.code
     verdicts, problem = judged(reports, knobs, target, spec, plan)
+    predictions = predicted(reports, knobs, target, spec, layout)
     record.update(fits=problem is None, verdict=f"lightfleet: error: {problem}" if problem else "fits", ranks=[
         {"rank": one.kind.rank, "kind": one.kind.words, "fits": one.fits, "needs_bytes": one.needs,
-         "peak_bytes": one.peak, "reserve_bytes": one.reserve, "report": reports[one.kind]} for one in verdicts])
+         "peak_bytes": one.peak, "reserve_bytes": one.reserve, "report": reports[one.kind],
+         **({"prediction": asdict(predictions[one.kind])} if one.kind in predictions else {})} for one in verdicts])
+    if predictions:  # the run goes at its slowest rank's pace (a pipeline at its slowest stage's)
+        slowest = max(predictions.values(), key=lambda prediction: prediction.step_s)
+        record["prediction"] = asdict(slowest)
+        print(f"lightfleet: predicted {slowest.line()}", flush=True)
     write_yaml(run_dir / REHEARSAL_YAML, record)
     if problem:
         raise problem
@@ -150,6 +158,18 @@ def judged(reports: Mapping[RankKind, Mapping[str, Any]], knobs: RehearseConfig,
         return verdicts, None
     ways = to_fit(reports[worst.kind], plan.strategies, spec.strategies, allowed, plan.world, spec.batch_size)
     return verdicts, refusal(worst, knobs, ways)
+
+
+def predicted(reports: Mapping[RankKind, Mapping[str, Any]], knobs: RehearseConfig, target: Target,
+              spec: "RunSpec", layout: Layout) -> Dict[RankKind, Prediction]:
+    """Each kind's step time on rehearse.device (runner/core/prediction.py); none for a run on CPUs,
+    which the device table does not describe."""
+    if target.device_type != "cuda":
+        return {}
+    pipeline = spec.strategies.get("pipeline")
+    schedule = {"micro_batches": pipeline.accumulate_steps, "vpp_degree": pipeline.vpp_degree} if pipeline else {}
+    device = load_devices()[knobs.device]
+    return {kind: predict(report, device, layout, **schedule) for kind, report in reports.items()}
 
 
 def allowed(names: List[str]) -> bool:

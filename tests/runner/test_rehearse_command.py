@@ -111,7 +111,7 @@ def one_line(done: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, fragment", [
-    (["rehearse.device=h1000"], "rehearse.device='h1000': allowed: h100, h200, a100 (conf/devices.yaml), or "
+    (["rehearse.device=h1000"], "rehearse.device='h1000': allowed: h100, h200, b200, a100, a100_40gb, l40s, v100, mi300x (conf/devices.yaml), or "
                                 "rehearse.device_memory_gb for another (did you mean h100?)"),
     (["rehearse.steps=1"], "rehearse.steps=1: must be >= 2"),
     (["rehearse.device_memory_gb=0"], "rehearse.device_memory_gb=0.0: must be > 0 GiB"),
