@@ -28,18 +28,21 @@ from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.fast_path import constructor_defaults
 from plugins.layerwise import NO_WEIGHT_DECAY
 from plugins.modules import float_buffer_modules, repeated_block_list
+from plugins.rehearsal import real_tensors
 from plugins.transforms import ModelContext
 from runner.core.world import Layout
 
 
 def layout_mesh(device_type: str, layout: Layout, dims: Tuple[str, ...]) -> DeviceMesh:
     """The processes' device mesh over `dims` of the layout (the plan checked the degrees' product);
-    the other dims must have size 1. Fewer dims, fewer process groups to create."""
+    the other dims must have size 1. Fewer dims, fewer process groups to create. Made on real
+    tensors in a rehearsal: the mesh's creation runs a data-dependent op that fake ones cannot."""
     sizes = layout.to_dict()
     left_out = {dim: size for dim, size in sizes.items() if dim not in dims and size > 1}
     if left_out:
         raise ValueError(f"a mesh over {dims} cannot lay out {left_out}")
-    return init_device_mesh(device_type, tuple(sizes[dim] for dim in dims), mesh_dim_names=dims)
+    with real_tensors():
+        return init_device_mesh(device_type, tuple(sizes[dim] for dim in dims), mesh_dim_names=dims)
 
 
 # --------------------------------------------------------------------------- stage 1

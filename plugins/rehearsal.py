@@ -1,0 +1,209 @@
+"""The rehearsal's one adapter for torch's private API (issue 42): a fake world of N processes
+(torch's fake process group), fake tensors (FakeTensorMode: shapes, dtypes and devices without
+memory or arithmetic), and what counts a rehearsed step (torch.distributed._tools' memory
+trackers; a dispatch mode counting collectives, FLOPs and memory traffic).
+
+Everything private lives here, as Hydra's does in runner/config/hydra_api.py:
+tests/plugins/test_rehearsal.py fails loudly, naming the import, when torch moves one of them.
+The real code's hooks ask this module (`real_tensors`, `on_meta_while_fake`, `to_device`) and are
+no-ops outside a rehearsal.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# --- torch's private API: every name a rehearsal uses, imported here and nowhere else.
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from torch.utils.flop_counter import flop_registry  # noqa: E402
+
+# The contract's op names (docs/rehearse.md) for the c10d ops and the functional collectives.
+COLLECTIVES = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "allgather_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "reduce_": "reduce",
+}
+# The tensor argument whose bytes are the payload this rank contributes (the contract's: what it
+# sends; for an all-gather its input, for a reduce-scatter its input): by the op's schema name.
+PAYLOAD_ARGUMENTS = ("tensors", "input_tensors", "input", "inputs", "input_tensor", "tensor")
+
+
+def join_fake_world(rank: int, world_size: int) -> None:
+    """This process as `rank` of a fake process group of `world_size`: every collective returns at
+    once, nothing is sent (Lightning then skips its own init_process_group)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def fake_tensors() -> FakeTensorMode:
+    """The mode a rehearsal runs in: tensors made inside are fake; real ones (a batch read from a
+    file) are taken in as they come."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def rehearsing() -> bool:
+    """Whether fake tensors are on (the hooks below do nothing otherwise)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def real_tensors() -> contextlib.AbstractContextManager:
+    """Fake tensors off for a while: device meshes (their creation runs a data-dependent op), the
+    model's construction, reading the batch. A no-op outside a rehearsal."""
+    return unset_fake_temporarily()
+
+
+@contextlib.contextmanager
+def on_meta_while_fake() -> Iterator[None]:
+    """Build the model on the meta device outside fake mode when rehearsing: a module made inside
+    holds fake parameters that cannot be moved (fake mode keeps weak references to them)."""
+    if not rehearsing():
+        yield
+        return
+    with real_tensors(), torch.device("meta"):
+        yield
+
+
+def to_device(module: nn.Module, device: torch.device) -> None:
+    """`module.to(device)`; a meta model (a rehearsal's) gets fresh, empty tensors there instead."""
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module.to_empty(device=device)
+    else:
+        module.to(device)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+MEMORY_PARTS = {  # the report's part -> the trackers' categories (MemTracker's and FSDPMemTracker's)
+    "parameters": ("Parameter", "Sharded Param", "Unsharded Param"),
+    "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"),
+    "optimizer_states": ("Optstate", "OptState"),
+    "activations": ("Activation",),
+    "temporaries": ("Temp", "All Gather", "Reduce Scatter", "Inputs", "Other"),
+    "buffers": ("Buffer",),
+}
+
+
+def memory_tracker(model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> MemTracker:
+    """torch's tracker of every tensor's bytes by category: FSDPMemTracker for an FSDP2 model (its
+    shards, gathers and reduce-scatters told apart), MemTracker for anything else. What exists
+    already (parameters, gradients, optimizer states) is counted from the start."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) and len(optimizers) == 1:
+        return FSDPMemTracker(model, optimizers[0])
+    tracker = MemTracker()
+    tracker.track_external(model, *optimizers)
+    return tracker
+
+
+def memory_parts(tracker: MemTracker) -> Dict[str, int]:
+    """The tracker's peak, and its categories at that peak, in the report's parts (bytes, all devices)."""
+    snapshot = tracker.get_tracker_snapshot("peak")
+    by_category: Dict[str, int] = defaultdict(int)
+    for per_device in snapshot.values():
+        for category, size in per_device.items():
+            by_category[getattr(category, "value", category)] += size
+    parts = {part: sum(by_category.get(name, 0) for name in names) for part, names in MEMORY_PARTS.items()}
+    parts["step_peak"] = by_category.get("Total", 0)
+    return parts
+
+
+def peak_bytes(tracker: MemTracker) -> int:
+    return sum(per_device["Total"] for per_device in tracker.get_tracker_snapshot("peak").values())
+
+
+# --------------------------------------------------------------------------- what a step does
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts, while on, every op of this rank: the payload bytes of each collective by (op, group),
+    FLOPs by dtype (torch's FLOP formulas), and the bytes ops read and write (views move none).
+    It sees every collective of the fake world: the c10d ops under torch.distributed's calls
+    (DDP, ZeroRedundancyOptimizer, FSDP2, pipeline send/recv) and the functional collectives
+    (DTensor, tensor parallel), whichever strategy makes them."""
+
+    def __init__(self, ranks_per_node: int) -> None:
+        super().__init__()
+        self.ranks_per_node = ranks_per_node
+        self.collectives: Dict[Tuple[str, int, int], List[int]] = defaultdict(lambda: [0, 0])  # -> [calls, bytes]
+        self.flops: Dict[str, int] = defaultdict(int)
+        self.memory_traffic = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if func.namespace in ("c10d", "_c10d_functional") and name in COLLECTIVES:
+            self._collective(func, COLLECTIVES[name], args, kwargs)
+        elif func.namespace == "aten" and not func.is_view:
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.memory_traffic += sum(t.numel() * t.element_size() for t in tensors)
+            if func.overloadpacket in flop_registry:
+                dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+                self.flops[str(dtype).replace("torch.", "")] += flop_registry[func.overloadpacket](
+                    *args, **kwargs, out_val=out)
+        return out
+
+    def _collective(self, func: Any, op: str, args: tuple, kwargs: dict) -> None:
+        named = {argument.name: value for argument, value in zip(func._schema.arguments, args)}
+        named.update(kwargs)
+        group = named.get("process_group", named.get("group_name"))
+        group = _resolve_process_group(group) if isinstance(group, str) else dist.ProcessGroup.unbox(group)
+        ranks = dist.get_process_group_ranks(group)
+        payload = next(named[key] for key in PAYLOAD_ARGUMENTS if key in named)
+        counted = self.collectives[(op, len(ranks), len({rank // self.ranks_per_node for rank in ranks}))]
+        counted[0] += 1
+        counted[1] += sum(t.numel() * t.element_size() for t in tree_leaves(payload) if isinstance(t, torch.Tensor))
+
+    def collective_rows(self) -> List[Dict[str, Any]]:
+        return [{"op": op, "group_size": size, "nodes": nodes, "calls": calls, "bytes": size_bytes}
+                for (op, size, nodes), (calls, size_bytes) in sorted(self.collectives.items())]
+
+
+# --------------------------------------------------------------------------- a CUDA device's rules
+
+
+# CUDA autocast's float32 list, where the CPU's differs (torch's autocast_mode.cpp: CUDA's fp32
+# ops; the CPU keeps these in bfloat16): a model planned for a GPU on a CPU must follow CUDA's.
+CUDA_FLOAT32 = {F.softmax, F.log_softmax, F.layer_norm, F.group_norm, torch.softmax, torch.log_softmax,
+                torch.pow, torch.Tensor.pow, torch.exp, torch.log, torch.rsqrt, torch.Tensor.softmax,
+                torch.Tensor.log_softmax}
+
+
+class CudaRulesOnCpu(TorchFunctionMode):
+    """CPU fake tensors computing as a GPU would (fake CUDA tensors cannot carry a whole build on a
+    machine without one: FSDP2 asks CUDA for its current device, autograd for its streams):
+    scaled-dot-product attention as the fused kernel a GPU runs, keeping no sequence x sequence
+    matrix (plugins/auto.py's `fused_attention`), and under autocast CUDA's float32 ops in float32."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        from plugins.auto import fused_attention
+
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return fused_attention(*args, **kwargs)
+        if func in CUDA_FLOAT32 and torch.is_autocast_enabled("cpu"):
+            as_float = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            with torch.autocast("cpu", enabled=False):
+                return func(*as_float, **kwargs)
+        return func(*args, **kwargs)

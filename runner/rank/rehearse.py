@@ -1,0 +1,270 @@
+"""A rehearsed rank (issue 42): one rank of a run of any size, built by the rank's own build in a
+fake world on this machine, stepped and measured; its report is the JSON of docs/rehearse.md.
+
+    python -m runner.rank.rehearse RUN_DIR --rank R --steps S --device-type cuda|cpu --out OUT.json
+
+reads RUN_DIR/config.yaml and plan.yaml as a real rank does. One process per rank: a fake
+process group is per process. The build is the real one (runner/rank/build.py, Lightning's setup,
+the strategies' transforms and wrappers) with fake tensors: its hooks (plugins/rehearsal.py) put
+the model on the meta device and make the device meshes on real tensors. Lightning's fit loop is
+replaced by `RehearsalLoop` (its `.item()` reads, loss scaler and preemption vote cannot run on
+fake tensors): the plan's micro-batches and accumulation, the strategies' callbacks, the
+optimizer's step; the last step is measured (the first makes the optimizer's state).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.core.errors import exit_on_user_error, require
+from runner.core.plan import Plan
+from runner.core.world import World
+from runner.records.files import CONFIG_YAML
+from runner.records.run_dir import read_plan
+
+DEVICE_TYPES = ("cuda", "cpu")
+# Why a figure is not what the rehearsed step did, per strategy (the report's "formula").
+EAGER = "the step is rehearsed eagerly: compile's fused kernels (fewer temporaries, less memory traffic) are not"
+SCALER = ("float16's loss scaler does not step (its overflow check reads the device); its scale and "
+          "unscale ops are counted, the skipped-step logic is not")
+
+
+def rank_environment(rank: int, world: World) -> Dict[str, str]:
+    """What Lightning reads of a launched rank (torchrun's variables): no cluster needed."""
+    per_node = world.devices
+    return dict(RANK=str(rank), WORLD_SIZE=str(world.world_size), LOCAL_RANK=str(rank % per_node),
+                GROUP_RANK=str(rank // per_node), NODE_RANK=str(rank // per_node), LOCAL_WORLD_SIZE=str(per_node),
+                TORCHELASTIC_RUN_ID="rehearsal", MASTER_ADDR="localhost", MASTER_PORT="29500")
+
+
+def for_rehearsal(cfg: DictConfig) -> DictConfig:
+    """The run's config as a rehearsal builds it: on the CPU (fake tensors stand for the target
+    device: `rehearse_rank`'s device_type), without loggers and callbacks of the user's that
+    would write files, its model as it runs eagerly."""
+    cfg = cfg.copy()
+    cfg.trainer.accelerator = "cpu"
+    cfg.logger = {}
+    cfg.fast_path.compile = False
+    return cfg
+
+
+def rehearse_rank(cfg: DictConfig, plan: Plan, rank: int, steps: int, device_type: str) -> Dict[str, Any]:
+    """Rank `rank` of the run `cfg` and `plan` (as the command checked and saved them), built in a
+    fake world of the run's size and stepped `steps` (>= 2) times; its report (docs/rehearse.md)."""
+    import torch
+
+    from plugins import rehearsal
+    from runner.rank.build import build
+
+    started = time.time()
+    require(steps >= 2, "--steps", steps, "at least 2: the first step makes the optimizer's state")
+    require(device_type in DEVICE_TYPES, "--device-type", device_type, f"one of {', '.join(DEVICE_TYPES)}")
+    world = World.of(cfg.trainer)
+    size = world.known_size("a rehearsal")
+    require(0 <= rank < size, "--rank", rank, f"a rank of the run's {size} processes (0 to {size - 1})")
+    os.environ.update(rank_environment(rank, world))
+    torch.set_num_threads(1)  # the fake tensors compute nothing; ranks rehearsed side by side share the cores
+    rehearsal.join_fake_world(rank, size)
+    loop = RehearsalLoop(steps, world.devices, device_type)
+    try:
+        with tempfile.TemporaryDirectory(prefix="lightfleet-rehearsal-") as scratch, rehearsal.fake_tensors():
+            built = build(for_rehearsal(cfg), plan, Path(scratch))
+            built.trainer.fit_loop.run = lambda: loop.run(built.trainer)
+            built.trainer.fit(built.model, datamodule=built.datamodule)
+    finally:
+        torch.distributed.destroy_process_group()
+    report = {"rank": rank, "world_size": size, **loop.report, "seconds": round(time.time() - started, 2)}
+    if "compile" in (claim.by for claim in plan.model_transforms) or cfg.fast_path.compile:
+        report["formula"]["fast_path"] = EAGER
+    return report
+
+
+class RehearsalLoop:
+    """Lightning's fit loop, as a rehearsal runs it on fake tensors: each optimizer step is the
+    plan's micro-batches (trainer.accumulate_grad_batches; the pipeline's schedule inside its
+    training_step), each through the strategy's training_step and backward, gradient sync held
+    back until the last as Lightning does, then the strategies' callbacks and the optimizers'
+    step. The last step is counted (collectives, FLOPs, memory traffic) and its memory tracked,
+    then a checkpoint's state is gathered as the strategy saves it, its memory tracked too."""
+
+    def __init__(self, steps: int, ranks_per_node: int, device_type: str) -> None:
+        self.steps = steps
+        self.ranks_per_node = ranks_per_node
+        self.device_type = device_type
+        self.report: Dict[str, Any] = {}
+
+    def run(self, trainer: Any) -> None:
+        import torch
+
+        from plugins import rehearsal
+
+        model, strategy = trainer.lightning_module, trainer.strategy
+        model.log = model.log_dict = lambda *args, **kwargs: None  # Lightning's logging needs its own loop
+        callbacks = strategy_callbacks(trainer)
+        for callback in callbacks:
+            callback.on_train_start(trainer, model)
+        with rehearsal.real_tensors():
+            batch, accumulation = first_batch(trainer)
+        rules = rehearsal.CudaRulesOnCpu() if self.device_type == "cuda" else contextlib.nullcontext()
+        with rules:
+            for _ in range(self.steps - 1):
+                self.step(trainer, batch, accumulation, callbacks)
+            counter = rehearsal.StepCounter(self.ranks_per_node)
+            tracker = rehearsal.memory_tracker(strategy.model, trainer.optimizers)
+            with tracker, counter:
+                self.step(trainer, batch, accumulation, callbacks)
+            memory = rehearsal.memory_parts(tracker)
+            memory["checkpoint_peak"] = self.checkpoint_peak(trainer)
+        memory["host"] = 0
+        self.report.update(kind=kind_of(strategy), memory=memory, collectives=counter.collective_rows(),
+                           flops=dict(counter.flops), memory_traffic_bytes=counter.memory_traffic,
+                           **per_step(batch, accumulation),
+                           heaviest_rank=heaviest_rank(trainer.optimizers), formula=formulas(trainer))
+        offloaded(self.report, trainer)
+
+    def step(self, trainer: Any, batch: Any, accumulation: int, callbacks: List[Any]) -> None:
+        model, strategy = trainer.lightning_module, trainer.strategy
+        for micro in range(accumulation):
+            held = strategy.block_backward_sync() if micro < accumulation - 1 else contextlib.nullcontext()
+            with held:
+                loss = strategy.training_step(batch, micro)
+                loss = loss["loss"] if isinstance(loss, dict) else loss
+                for optimizer in trainer.optimizers:
+                    strategy.backward(loss / accumulation, optimizer)
+            for callback in callbacks:
+                callback.on_train_batch_end(trainer, model, {"loss": loss}, batch, micro) if micro < accumulation - 1 else None
+        for optimizer in trainer.optimizers:
+            for callback in callbacks:
+                callback.on_before_optimizer_step(trainer, model, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        steps = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+        steps.increment_ready()
+        steps.increment_completed()  # trainer.global_step: localsgd's averaging follows it
+        for callback in callbacks:
+            callback.on_train_batch_end(trainer, model, {"loss": loss}, batch, accumulation - 1)
+
+    def checkpoint_peak(self, trainer: Any) -> int:
+        """The most bytes held while the strategy gathers what a checkpoint saves: the module's
+        state dict and each optimizer's (ZeroRedundancyOptimizer consolidates every rank's state on
+        rank 0; FSDP2 gathers as its strategy saves)."""
+        from plugins import rehearsal
+
+        strategy = trainer.strategy
+        tracker = rehearsal.memory_tracker(strategy.model, trainer.optimizers)
+        with tracker:
+            state = {"state_dict": strategy.lightning_module_state_dict(),
+                     "optimizer_states": [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]}
+            del state
+        return rehearsal.peak_bytes(tracker)
+
+
+def strategy_callbacks(trainer: Any) -> List[Any]:
+    """The callbacks that carry out strategies (plugins/: gradient merge's sum, localsgd's
+    averaging, ...); lightfleet's own and the user's watch a real run, and are left out."""
+    return [callback for callback in trainer.callbacks if type(callback).__module__.startswith("plugins.")]
+
+
+def first_batch(trainer: Any) -> tuple:
+    """A micro-batch of the training loader (its collate over the dataset's first samples: any
+    world, however large against a small file, gets one) and the micro-batches per optimizer step."""
+    loader = trainer.datamodule.train_dataloader()
+    batch = loader.collate_fn([loader.dataset[index] for index in range(loader.batch_size)])
+    return batch, trainer.accumulate_grad_batches
+
+
+def per_step(batch: Any, accumulation: int) -> Dict[str, Optional[int]]:
+    """This rank's samples and tokens (None: not token ids) per optimizer step (a pipeline's batch
+    holds all its micro-batches)."""
+    inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+    samples = inputs.shape[0] * accumulation
+    tokens = inputs.numel() * accumulation if not inputs.is_floating_point() and inputs.dim() == 2 else None
+    return {"samples_per_step": samples, "tokens_per_step": tokens}
+
+
+def kind_of(strategy: Any) -> str:
+    """What this rank is in the layout, e.g. "pipeline stage 1 of 4 (middle), dp_shard 32"."""
+    layout = getattr(strategy, "layout", None)
+    if layout is None:
+        return f"data parallel, {strategy.world_size} processes" if strategy.world_size > 1 else "one process"
+    where = layout.coordinates(strategy.global_rank)
+    parts = []
+    if layout.pp > 1:
+        position = "first" if where["pp"] == 0 else "last" if where["pp"] == layout.pp - 1 else "middle"
+        parts.append(f"pipeline stage {where['pp']} of {layout.pp} ({position})")
+    parts += [f"{dim} {size}" for dim, size in layout.to_dict().items() if dim != "pp" and size > 1]
+    return ", ".join(parts) or "one process"
+
+
+def heaviest_rank(optimizers: List[Any]) -> Optional[int]:
+    """ZeRO stage 1: the rank whose share of the optimizer (whole tensors, ZeroRedundancyOptimizer's
+    partition, which every rank knows) holds the most parameter bytes, so the most state; None
+    for other optimizers (FSDP2's flat shards put the most on the lowest ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    sharded = [optimizer for optimizer in optimizers if isinstance(optimizer, ZeroRedundancyOptimizer)]
+    if not sharded:
+        return None
+    held: Dict[int, int] = {}
+    for optimizer in sharded:
+        for group_rank, groups in enumerate(optimizer._partition_parameters()):
+            rank = dist.get_global_rank(optimizer.process_group, group_rank)
+            held[rank] = held.get(rank, 0) + sum(p.numel() * p.element_size() for group in groups for p in group["params"])
+    return max(sorted(held), key=held.__getitem__)
+
+
+def formulas(trainer: Any) -> Dict[str, str]:
+    """Per strategy, where a figure is not the rehearsed step's."""
+    found = {}
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        found["amp"] = SCALER
+    return found
+
+
+def offloaded(report: Dict[str, Any], trainer: Any) -> None:
+    """Under FSDP2's CPU offload the shards (parameters, gradients, optimizer states) live in host
+    memory: counted there, not on the device (the rehearsal's tensors are all on the CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    offload = any(isinstance(getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_offload_policy", None),
+                                 CPUOffloadPolicy) for module in trainer.strategy.model.modules())
+    if not offload:
+        return
+    memory = report["memory"]
+    memory["host"] = sum(memory[part] for part in ("parameters", "gradients", "optimizer_states"))
+    for part in ("parameters", "gradients", "optimizer_states"):
+        memory["step_peak"] -= memory[part]
+        memory[part] = 0
+    report["formula"]["sharding"] = ("offload: the shards' bytes (parameters, gradients, optimizer states) are "
+                                     "host memory; the device peak is the step's less them")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m runner.rank.rehearse", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="the directory holding config.yaml and plan.yaml")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--device-type", default="cuda", choices=DEVICE_TYPES)
+    parser.add_argument("--out", type=Path, required=True, help="the report's JSON file")
+    args = parser.parse_args(argv)
+    with exit_on_user_error():
+        cfg = OmegaConf.load(args.run_dir / CONFIG_YAML)
+        report = rehearse_rank(cfg, read_plan(args.run_dir), args.rank, args.steps, args.device_type)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # past torch's teardown of the fake group's threads (runner/train.py says why)
