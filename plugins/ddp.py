@@ -8,11 +8,15 @@ too, so this strategy registers them itself.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, Optional, Tuple
 
 from pytorch_lightning.strategies import DDPStrategy
+from torch import nn
 from typing_extensions import override
+
+from plugins.rehearsal import RehearsedDDP, rehearsing
 
 # Called once the process group exists (hook states may create subgroups): returns (state, hook).
 HookFactory = Callable[[], Tuple[Any, Callable]]
@@ -29,6 +33,22 @@ class FleetDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self._make_comm_hook = comm_hook
         self.comm_hook_state: Any = None
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if rehearsing():  # DDP's C++ reducer cannot run on fake tensors: its buckets and hook in Python
+            return RehearsedDDP(model, **self._ddp_kwargs)
+        return super()._setup_model(model)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if not isinstance(self.model, RehearsedDDP):
+            with super().block_backward_sync():
+                yield
+            return
+        with self.model.no_sync():
+            yield
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch._C._distributed_c10d import _create_work_from_future  # noqa: E402
 from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 from torch.utils.flop_counter import flop_registry  # noqa: E402
@@ -83,11 +84,137 @@ def on_meta_while_fake() -> Iterator[None]:
 
 
 def to_device(module: nn.Module, device: torch.device) -> None:
-    """`module.to(device)`; a meta model (a rehearsal's) gets fresh, empty tensors there instead."""
+    """`module.to(device)`; a meta model (a rehearsal's) gets fresh, empty tensors there instead,
+    and stays there: Lightning's later moves of it (to the strategy's device at setup, to the CPU
+    at teardown) are no-ops, since torch swaps a fake parameter for its moved copy and refuses
+    once fake mode has seen it (a weak reference), and one fake device stands for all."""
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         module.to_empty(device=device)
+        module._apply = lambda fn, recurse=True: module
     else:
         module.to(device)
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+class CompletedWork(TorchDispatchMode):
+    """The fake process group's asynchronous collectives made to complete with their tensors, as a
+    real backend's do: its works' futures hold no value, and DDP communication hooks (fp16, DGC,
+    post-local SGD) read theirs (`fut.value()[0]`)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject):
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(out[0])
+            return out[0], _create_work_from_future(future).boxed()
+        return out
+
+
+class Bucket:
+    """What a DDP communication hook reads of torch's GradBucket."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, parameters: List[torch.Tensor], last: bool) -> None:
+        self._index, self._buffer, self._parameters, self._last = index, buffer, parameters, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def parameters(self) -> List[torch.Tensor]:
+        return self._parameters
+
+    def gradients(self) -> List[torch.Tensor]:
+        return [p.grad for p in self._parameters]
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+FIRST_BUCKET_MB = 1  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
+
+
+class RehearsedDDP(nn.Module):
+    """DistributedDataParallel as a rehearsal runs it (DDP's C++ reducer cannot run on fake
+    tensors): the same buckets (parameters in reverse order, DDP's first bucket of 1 MB, then
+    `bucket_cap_mb`; a flat buffer each, a second copy of the gradients unless
+    `gradient_as_bucket_view`, held as buffers so the trackers count them), reduced once a
+    synchronised backward has made the gradients, each through the registered communication hook
+    (DDP's all-reduce of the average by default). DDP overlaps them with backward; the bytes and
+    collectives are the same."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
+                 process_group: Any = None, **_: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.require_backward_grad_sync = True
+        self.hook_state: Any = process_group
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        self.hook: Any = allreduce_hook
+        self.buckets: List[List[nn.Parameter]] = []
+        cap, size = FIRST_BUCKET_MB * 2 ** 20, None
+        for parameter in reversed([p for p in module.parameters() if p.requires_grad]):
+            if size is None or size + parameter.nbytes > cap or self.buckets[-1][0].dtype != parameter.dtype:
+                if size is not None:
+                    cap = bucket_cap_mb * 2 ** 20
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(parameter)
+            size += parameter.nbytes
+        self.views = gradient_as_bucket_view
+        for index, parameters in enumerate(self.buckets):
+            flat = torch.empty(sum(p.numel() for p in parameters), dtype=parameters[0].dtype,
+                               device=parameters[0].device)
+            self.register_buffer(f"bucket_{index}", flat, persistent=False)
+            for parameter in parameters:
+                parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+        self._queued = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        self.hook_state, self.hook = state, hook
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
+    def _gradient_ready(self, parameter: torch.Tensor) -> None:
+        if self.require_backward_grad_sync and not self._queued:  # once per backward, at its end
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def _reduce(self) -> None:
+        self._queued = False
+        with CompletedWork():
+            for index, parameters in enumerate(self.buckets):
+                flat = getattr(self, f"bucket_{index}")
+                offset = 0
+                for parameter in parameters:
+                    size = parameter.numel()
+                    if parameter.grad is not None:
+                        flat[offset:offset + size].copy_(parameter.grad.reshape(-1))
+                    offset += size
+                reduced = self.hook(self.hook_state, Bucket(index, flat, parameters, index == len(self.buckets) - 1))
+                flat = reduced.wait()
+                offset = 0
+                for parameter in parameters:
+                    if parameter.grad is not None:
+                        view = flat[offset:offset + parameter.numel()].view_as(parameter)
+                        parameter.grad = view if self.views else parameter.grad.copy_(view)
+                    offset += parameter.numel()
 
 
 # --------------------------------------------------------------------------- memory

@@ -34,8 +34,8 @@ from runner.records.run_dir import read_plan
 DEVICE_TYPES = ("cuda", "cpu")
 # Why a figure is not what the rehearsed step did, per strategy (the report's "formula").
 EAGER = "the step is rehearsed eagerly: compile's fused kernels (fewer temporaries, less memory traffic) are not"
-SCALER = ("float16's loss scaler does not step (its overflow check reads the device); its scale and "
-          "unscale ops are counted, the skipped-step logic is not")
+SCALER = ("float16's loss scaler scales the loss as in a run; its unscale, overflow check and skipped steps "
+          "are not rehearsed (the check reads the device): the optimizer steps plainly")
 
 
 def rank_environment(rank: int, world: World) -> Dict[str, str]:
@@ -139,6 +139,8 @@ class RehearsalLoop:
                 loss = strategy.training_step(batch, micro)
                 loss = loss["loss"] if isinstance(loss, dict) else loss
                 for optimizer in trainer.optimizers:
+                    if micro == 0:  # as Lightning: the last step's gradients live through this forward
+                        optimizer.zero_grad()
                     strategy.backward(loss / accumulation, optimizer)
             for callback in callbacks:
                 callback.on_train_batch_end(trainer, model, {"loss": loss}, batch, micro) if micro < accumulation - 1 else None
@@ -146,7 +148,6 @@ class RehearsalLoop:
             for callback in callbacks:
                 callback.on_before_optimizer_step(trainer, model, optimizer)
             optimizer.step()
-            optimizer.zero_grad()
         steps = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
         steps.increment_ready()
         steps.increment_completed()  # trainer.global_step: localsgd's averaging follows it
