@@ -51,6 +51,10 @@ class FleetDDPStrategy(DDPStrategy):
             yield
 
     @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if rehearsing() else super().broadcast(obj, src)  # plugins/rehearsal.py: no objects in a fake world
+
+    @override
     def _register_ddp_hooks(self) -> None:
         if self._make_comm_hook is None:
             return

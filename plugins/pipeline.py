@@ -27,6 +27,7 @@ from plugins import pipeline_checkpoint
 from plugins.ddp import process_group_timeout
 from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.pipeline_split import in_eval_mode, keep_only_stages, stage_ranks, stage_split_points, traced_stages
+from plugins.rehearsal import real_tensors
 from plugins.sharding import layout_mesh, shard_strategy_optimizers
 from plugins.transforms import ModelContext
 from runner.core.errors import ConfigError
@@ -168,8 +169,9 @@ class PipelineStrategy(WholeCheckpointStrategy):
 
     def _example_micro_batch(self, trainer: pl.Trainer) -> torch.Tensor:
         """The first micro-batch of the first training batch: the stages' shapes are static."""
-        # Reading ahead must not change the order training then reads the data in.
-        with torch.random.fork_rng(devices=[]):
+        # Reading ahead must not change the order training then reads the data in; the loader's
+        # tensors are real ones in a rehearsal too (its sampler draws a seed).
+        with torch.random.fork_rng(devices=[]), real_tensors():
             inputs, _ = _inputs_and_targets(next(iter(trainer.fit_loop._data_source.dataloader())))
         return inputs[: self.micro_batch_size].to(self.root_device)
 

@@ -62,7 +62,9 @@ def fake_tensors() -> FakeTensorMode:
 
 
 def rehearsing() -> bool:
-    """Whether fake tensors are on (the hooks below do nothing otherwise)."""
+    """Whether fake tensors are on (the hooks below do nothing otherwise). The strategies' object
+    broadcasts then hand every rank its own object: the fake group carries no data, and what
+    Lightning broadcasts (a directory's name, a checkpoint's path) is the same on every rank."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
@@ -230,33 +232,50 @@ MEMORY_PARTS = {  # the report's part -> the trackers' categories (MemTracker's 
 }
 
 
-def memory_tracker(model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> MemTracker:
-    """torch's tracker of every tensor's bytes by category: FSDPMemTracker for an FSDP2 model (its
-    shards, gathers and reduce-scatters told apart), MemTracker for anything else. What exists
-    already (parameters, gradients, optimizer states) is counted from the start."""
-    from torch.distributed.fsdp import FSDPModule
+class MemoryTracking:
+    """torch's tracker of every tensor's bytes by category over a `with` block: FSDPMemTracker for
+    an FSDP2 model (its shards, gathers and reduce-scatters told apart), MemTracker for anything
+    else. What exists already (parameters, gradients, optimizer states; a ZeroRedundancyOptimizer's
+    are its local optimizer's) is counted from the start. The trackers refuse a module's second
+    forward in one iteration, which micro-batches make (accumulation, a pipeline's schedule): each
+    forward outside backward starts its module's statistics afresh (only the totals are read)."""
 
-    if isinstance(model, FSDPModule) and len(optimizers) == 1:
-        return FSDPMemTracker(model, optimizers[0])
-    tracker = MemTracker()
-    tracker.track_external(model, *optimizers)
-    return tracker
+    def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> None:
+        from torch.distributed.fsdp import FSDPModule
 
+        optimizers = [getattr(optimizer, "optim", optimizer) for optimizer in optimizers]
+        if isinstance(model, FSDPModule) and len(optimizers) == 1:
+            self.tracker: MemTracker = FSDPMemTracker(model, optimizers[0])
+        else:
+            self.tracker = MemTracker()
+            self.tracker.track_external(model, *optimizers)
+        self._stack = contextlib.ExitStack()
 
-def memory_parts(tracker: MemTracker) -> Dict[str, int]:
-    """The tracker's peak, and its categories at that peak, in the report's parts (bytes, all devices)."""
-    snapshot = tracker.get_tracker_snapshot("peak")
-    by_category: Dict[str, int] = defaultdict(int)
-    for per_device in snapshot.values():
-        for category, size in per_device.items():
-            by_category[getattr(category, "value", category)] += size
-    parts = {part: sum(by_category.get(name, 0) for name in names) for part, names in MEMORY_PARTS.items()}
-    parts["step_peak"] = by_category.get("Total", 0)
-    return parts
+    def _afresh(self, module: nn.Module, args: Any) -> None:
+        if not self.tracker._mod_tracker.is_bw:
+            self.tracker.memory_tracking.pop(module, None)
 
+    def __enter__(self) -> "MemoryTracking":
+        # Registered before the tracker's own global hooks, so it runs first.
+        self._stack.callback(nn.modules.module.register_module_forward_pre_hook(self._afresh).remove)
+        self._stack.enter_context(self.tracker)
+        return self
 
-def peak_bytes(tracker: MemTracker) -> int:
-    return sum(per_device["Total"] for per_device in tracker.get_tracker_snapshot("peak").values())
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def peak(self) -> int:
+        return sum(per_device["Total"] for per_device in self.tracker.get_tracker_snapshot("peak").values())
+
+    def parts(self) -> Dict[str, int]:
+        """The peak, and the categories at that peak, in the report's parts (bytes, all devices)."""
+        by_category: Dict[str, int] = defaultdict(int)
+        for per_device in self.tracker.get_tracker_snapshot("peak").values():
+            for category, size in per_device.items():
+                by_category[getattr(category, "value", category)] += size
+        parts = {part: sum(by_category.get(name, 0) for name in names) for part, names in MEMORY_PARTS.items()}
+        parts["step_peak"] = by_category.get("Total", 0)
+        return parts
 
 
 # --------------------------------------------------------------------------- what a step does

@@ -34,6 +34,9 @@ from runner.records.run_dir import read_plan
 DEVICE_TYPES = ("cuda", "cpu")
 # Why a figure is not what the rehearsed step did, per strategy (the report's "formula").
 EAGER = "the step is rehearsed eagerly: compile's fused kernels (fewer temporaries, less memory traffic) are not"
+CONSOLIDATED = ("checkpoint_peak: ZeroRedundancyOptimizer consolidates on rank 0 through pickled objects, which "
+                "fake tensors cannot carry; rank 0's figure adds the other ranks' optimizer state (their shares' "
+                "parameter bytes at its own state bytes per parameter byte)")
 SCALER = ("float16's loss scaler scales the loss as in a run; its unscale, overflow check and skipped steps "
           "are not rehearsed (the check reads the device): the optimizer steps plainly")
 
@@ -101,6 +104,7 @@ class RehearsalLoop:
         self.ranks_per_node = ranks_per_node
         self.device_type = device_type
         self.report: Dict[str, Any] = {}
+        self.formulas: Dict[str, str] = {}  # per strategy, why a figure is a formula
 
     def run(self, trainer: Any) -> None:
         import torch
@@ -119,16 +123,17 @@ class RehearsalLoop:
             for _ in range(self.steps - 1):
                 self.step(trainer, batch, accumulation, callbacks)
             counter = rehearsal.StepCounter(self.ranks_per_node)
-            tracker = rehearsal.memory_tracker(strategy.model, trainer.optimizers)
+            tracker = rehearsal.MemoryTracking(strategy.model, trainer.optimizers)
             with tracker, counter:
                 self.step(trainer, batch, accumulation, callbacks)
-            memory = rehearsal.memory_parts(tracker)
+            memory = tracker.parts()
             memory["checkpoint_peak"] = self.checkpoint_peak(trainer)
         memory["host"] = 0
         self.report.update(kind=kind_of(strategy), memory=memory, collectives=counter.collective_rows(),
                            flops=dict(counter.flops), memory_traffic_bytes=counter.memory_traffic,
                            **per_step(batch, accumulation),
-                           heaviest_rank=heaviest_rank(trainer.optimizers), formula=formulas(trainer))
+                           heaviest_rank=heaviest_rank(trainer.optimizers),
+                           formula={**formulas(trainer), **self.formulas})
         offloaded(self.report, trainer)
 
     def step(self, trainer: Any, batch: Any, accumulation: int, callbacks: List[Any]) -> None:
@@ -156,17 +161,38 @@ class RehearsalLoop:
 
     def checkpoint_peak(self, trainer: Any) -> int:
         """The most bytes held while the strategy gathers what a checkpoint saves: the module's
-        state dict and each optimizer's (ZeroRedundancyOptimizer consolidates every rank's state on
-        rank 0; FSDP2 gathers as its strategy saves)."""
+        state dict and each optimizer's (FSDP2 gathers as its strategy saves). ZeroRedundancyOptimizer
+        consolidates every rank's state on rank 0 through pickled objects, which fake tensors
+        cannot carry: there its figure is a formula (`consolidated_bytes`)."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         from plugins import rehearsal
 
         strategy = trainer.strategy
-        tracker = rehearsal.memory_tracker(strategy.model, trainer.optimizers)
+        sharded = [optimizer for optimizer in trainer.optimizers if isinstance(optimizer, ZeroRedundancyOptimizer)]
+        tracker = rehearsal.MemoryTracking(strategy.model, trainer.optimizers)
         with tracker:
             state = {"state_dict": strategy.lightning_module_state_dict(),
-                     "optimizer_states": [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]}
+                     "optimizer_states": [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers
+                                          if optimizer not in sharded]}
             del state
-        return rehearsal.peak_bytes(tracker)
+        if sharded:
+            self.formulas["sharding"] = CONSOLIDATED
+        gathered = sum(consolidated_bytes(optimizer) for optimizer in sharded) if strategy.is_global_zero else 0
+        return tracker.peak() + gathered
+
+
+def consolidated_bytes(optimizer: Any) -> int:
+    """The other ranks' optimizer state that ZeroRedundancyOptimizer.consolidate_state_dict gathers
+    on rank 0: their shares' parameter bytes at this rank's state bytes per parameter byte."""
+    import torch
+
+    shares = [sum(p.numel() * p.element_size() for group in groups for p in group["params"])
+              for groups in optimizer._partition_parameters()]
+    own = shares[optimizer.rank]
+    state = sum(t.numel() * t.element_size() for per_parameter in optimizer.optim.state.values()
+                for t in per_parameter.values() if torch.is_tensor(t) and t.dim())
+    return round(state / own * (sum(shares) - own)) if own else 0
 
 
 def strategy_callbacks(trainer: Any) -> List[Any]:
