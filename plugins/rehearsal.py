@@ -1,7 +1,7 @@
 """The rehearsal's one adapter for torch's private API (issue 42): a fake world of N processes
 (torch's fake process group), fake tensors (FakeTensorMode: shapes, dtypes and devices without
 memory or arithmetic), and what counts a rehearsed step (torch.distributed._tools' memory
-trackers; a dispatch mode counting collectives, FLOPs and memory traffic).
+tracker; a dispatch mode counting collectives, FLOPs and memory traffic).
 
 Everything private lives here, as Hydra's does in runner/config/hydra_api.py:
 tests/plugins/test_rehearsal.py fails loudly, naming the import, when torch moves one of them.
@@ -24,7 +24,6 @@ from torch.utils._pytree import tree_leaves
 
 # --- torch's private API: every name a rehearsal uses, imported here and nowhere else.
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 from torch._C._distributed_c10d import _create_work_from_future  # noqa: E402
 from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
@@ -55,10 +54,13 @@ def join_fake_world(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def fake_tensors() -> FakeTensorMode:
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[FakeTensorMode]:
     """The mode a rehearsal runs in: tensors made inside are fake; real ones (a batch read from a
-    file) are taken in as they come."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    file) are taken in as they come. Compiled code runs eagerly (torch.compile cannot compile
+    over fake tensors of another mode)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.compiler.set_stance("force_eager"):
+        yield mode
 
 
 def rehearsing() -> bool:
@@ -222,38 +224,51 @@ class RehearsedDDP(nn.Module):
 # --------------------------------------------------------------------------- memory
 
 
-MEMORY_PARTS = {  # the report's part -> the trackers' categories (MemTracker's and FSDPMemTracker's)
-    "parameters": ("Parameter", "Sharded Param", "Unsharded Param"),
-    "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"),
-    "optimizer_states": ("Optstate", "OptState"),
+MEMORY_PARTS = {  # the report's part -> MemTracker's categories
+    "parameters": ("Parameter",),
+    "gradients": ("Gradient",),
+    "optimizer_states": ("Optstate",),
     "activations": ("Activation",),
-    "temporaries": ("Temp", "All Gather", "Reduce Scatter", "Inputs", "Other"),
+    "temporaries": ("Temp", "Other"),
     "buffers": ("Buffer",),
 }
 
 
 class MemoryTracking:
-    """torch's tracker of every tensor's bytes by category over a `with` block: FSDPMemTracker for
-    an FSDP2 model (its shards, gathers and reduce-scatters told apart), MemTracker for anything
-    else. What exists already (parameters, gradients, optimizer states; a ZeroRedundancyOptimizer's
-    are its local optimizer's) is counted from the start. The trackers refuse a module's second
-    forward in one iteration, which micro-batches make (accumulation, a pipeline's schedule): each
-    forward outside backward starts its module's statistics afresh (only the totals are read)."""
+    """torch's MemTracker over a `with` block: every tensor's bytes by category (parameters, FSDP2's
+    gathered ones included; gradients; optimizer states; activations; temporaries; buffers). What
+    exists already (parameters, gradients, optimizer states; a ZeroRedundancyOptimizer's are its
+    local optimizer's) is counted from the start. Not FSDPMemTracker: it changes what FSDP2 does
+    for a unit of several modules (a gather per module instead of one per unit, torch 2.14). The
+    tracker refuses a module's second forward in one iteration, which micro-batches make
+    (accumulation, a pipeline's schedule): each forward outside backward starts its module's
+    statistics afresh, folded into each part's peak first."""
 
     def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        optimizers = [getattr(optimizer, "optim", optimizer) for optimizer in optimizers]
-        if isinstance(model, FSDPModule) and len(optimizers) == 1:
-            self.tracker: MemTracker = FSDPMemTracker(model, optimizers[0])
-        else:
-            self.tracker = MemTracker()
-            self.tracker.track_external(model, *optimizers)
+        self.tracker = MemTracker()
+        self.tracker.track_external(model, *(getattr(optimizer, "optim", optimizer) for optimizer in optimizers))
         self._stack = contextlib.ExitStack()
+        self._peaks: Dict[str, int] = dict.fromkeys(MEMORY_PARTS, 0)  # each part's most, over the snapshots
+
+    def _fold(self, snapshot_lists: Any) -> None:
+        """Each part's peak over the tracker's snapshots (taken at every module's forward and backward)."""
+        for snapshots in snapshot_lists:
+            for snapshot in snapshots:
+                parts = self._parts(snapshot)
+                for part in MEMORY_PARTS:
+                    self._peaks[part] = max(self._peaks[part], parts[part])
+
+    @staticmethod
+    def _parts(snapshot: Dict[Any, Dict[Any, int]]) -> Dict[str, int]:
+        by_category: Dict[str, int] = defaultdict(int)
+        for per_device in snapshot.values():
+            for category, size in per_device.items():
+                by_category[getattr(category, "value", category)] += size
+        return {part: sum(by_category.get(name, 0) for name in names) for part, names in MEMORY_PARTS.items()}
 
     def _afresh(self, module: nn.Module, args: Any) -> None:
-        if not self.tracker._mod_tracker.is_bw:
-            self.tracker.memory_tracking.pop(module, None)
+        if not self.tracker._mod_tracker.is_bw and module in self.tracker.memory_tracking:
+            self._fold(self.tracker.memory_tracking.pop(module).snapshots.values())
 
     def __enter__(self) -> "MemoryTracking":
         # Registered before the tracker's own global hooks, so it runs first.
@@ -263,19 +278,15 @@ class MemoryTracking:
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
+        self._fold(snapshots for stats in self.tracker.memory_tracking.values() for snapshots in stats.snapshots.values())
+        self._fold([[self.tracker.get_tracker_snapshot("peak"), self.tracker.get_tracker_snapshot()]])
 
     def peak(self) -> int:
         return sum(per_device["Total"] for per_device in self.tracker.get_tracker_snapshot("peak").values())
 
     def parts(self) -> Dict[str, int]:
-        """The peak, and the categories at that peak, in the report's parts (bytes, all devices)."""
-        by_category: Dict[str, int] = defaultdict(int)
-        for per_device in self.tracker.get_tracker_snapshot("peak").values():
-            for category, size in per_device.items():
-                by_category[getattr(category, "value", category)] += size
-        parts = {part: sum(by_category.get(name, 0) for name in names) for part, names in MEMORY_PARTS.items()}
-        parts["step_peak"] = by_category.get("Total", 0)
-        return parts
+        """Each part's peak over the block (bytes, all devices), and the peak of their sum."""
+        return {**self._peaks, "step_peak": self.peak()}
 
 
 # --------------------------------------------------------------------------- what a step does
@@ -294,6 +305,7 @@ class StepCounter(TorchDispatchMode):
         self.collectives: Dict[Tuple[str, int, int], List[int]] = defaultdict(lambda: [0, 0])  # -> [calls, bytes]
         self.flops: Dict[str, int] = defaultdict(int)
         self.memory_traffic = 0
+        self.weight = 1  # how many times what runs now counts: micro-batches alike, run once (runner/rank/rehearse.py)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -303,10 +315,10 @@ class StepCounter(TorchDispatchMode):
             self._collective(func, COLLECTIVES[name], args, kwargs)
         elif func.namespace == "aten" and not func.is_view:
             tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            self.memory_traffic += sum(t.numel() * t.element_size() for t in tensors)
+            self.memory_traffic += self.weight * sum(t.numel() * t.element_size() for t in tensors)
             if func.overloadpacket in flop_registry:
                 dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
-                self.flops[str(dtype).replace("torch.", "")] += flop_registry[func.overloadpacket](
+                self.flops[str(dtype).replace("torch.", "")] += self.weight * flop_registry[func.overloadpacket](
                     *args, **kwargs, out_val=out)
         return out
 
@@ -318,8 +330,9 @@ class StepCounter(TorchDispatchMode):
         ranks = dist.get_process_group_ranks(group)
         payload = next(named[key] for key in PAYLOAD_ARGUMENTS if key in named)
         counted = self.collectives[(op, len(ranks), len({rank // self.ranks_per_node for rank in ranks}))]
-        counted[0] += 1
-        counted[1] += sum(t.numel() * t.element_size() for t in tree_leaves(payload) if isinstance(t, torch.Tensor))
+        counted[0] += self.weight
+        counted[1] += self.weight * sum(t.numel() * t.element_size() for t in tree_leaves(payload)
+                                        if isinstance(t, torch.Tensor))
 
     def collective_rows(self) -> List[Dict[str, Any]]:
         return [{"op": op, "group_size": size, "nodes": nodes, "calls": calls, "bytes": size_bytes}

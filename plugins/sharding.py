@@ -203,8 +203,11 @@ def shard_parameters(module: nn.Module, context: ModelContext, reshard_after_for
     param_dtype = None
     if isinstance(precision, MixedPrecision):
         param_dtype = torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
-    units = apply_fsdp(module, strategy.device_mesh[dims], reshard_after_forward, segment_broadcast_MB * 2 ** 20,
-                       param_dtype, optimize_offload)
+    # On tensor-parallel parameters FSDP2 joins the meshes, which fake tensors cannot (a rehearsal's
+    # parameters stay fake: what fully_shard makes of them is made from them).
+    with real_tensors():
+        units = apply_fsdp(module, strategy.device_mesh[dims], reshard_after_forward, segment_broadcast_MB * 2 ** 20,
+                           param_dtype, optimize_offload)
     return ["+".join(names) for names in units]
 
 

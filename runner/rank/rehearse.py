@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -37,6 +37,8 @@ EAGER = "the step is rehearsed eagerly: compile's fused kernels (fewer temporari
 CONSOLIDATED = ("checkpoint_peak: ZeroRedundancyOptimizer consolidates on rank 0 through pickled objects, which "
                 "fake tensors cannot carry; rank 0's figure adds the other ranks' optimizer state (their shares' "
                 "parameter bytes at its own state bytes per parameter byte)")
+REPEATED = ("accumulation: micro-batches 2 to the last but one repeat the second's ops and collectives, which are "
+            "counted {} times; the first step is one synchronised micro-batch (it makes the optimizer's state)")
 SCALER = ("float16's loss scaler scales the loss as in a run; its unscale, overflow check and skipped steps "
           "are not rehearsed (the check reads the device): the optimizer steps plainly")
 
@@ -119,15 +121,17 @@ class RehearsalLoop:
         with rehearsal.real_tensors():
             batch, accumulation = first_batch(trainer)
         rules = rehearsal.CudaRulesOnCpu() if self.device_type == "cuda" else contextlib.nullcontext()
+        counter = rehearsal.StepCounter(self.ranks_per_node)
         with rules:
-            for _ in range(self.steps - 1):
-                self.step(trainer, batch, accumulation, callbacks)
-            counter = rehearsal.StepCounter(self.ranks_per_node)
+            for _ in range(self.steps - 1):  # one synchronised micro-batch makes the optimizer's state
+                self.step(trainer, batch, accumulation, callbacks, counter, [(accumulation - 1, 1)])
             tracker = rehearsal.MemoryTracking(strategy.model, trainer.optimizers)
             with tracker, counter:
-                self.step(trainer, batch, accumulation, callbacks)
+                self.step(trainer, batch, accumulation, callbacks, counter, micro_batches(accumulation))
             memory = tracker.parts()
             memory["checkpoint_peak"] = self.checkpoint_peak(trainer)
+        if accumulation > len(micro_batches(accumulation)):
+            self.formulas["gradient_merge"] = REPEATED.format(accumulation - 2)
         memory["host"] = 0
         self.report.update(kind=kind_of(strategy), memory=memory, collectives=counter.collective_rows(),
                            flops=dict(counter.flops), memory_traffic_bytes=counter.memory_traffic,
@@ -136,9 +140,13 @@ class RehearsalLoop:
                            formula={**formulas(trainer), **self.formulas})
         offloaded(self.report, trainer)
 
-    def step(self, trainer: Any, batch: Any, accumulation: int, callbacks: List[Any]) -> None:
+    def step(self, trainer: Any, batch: Any, accumulation: int, callbacks: List[Any], counter: Any,
+             micro_batches: List[Tuple[int, int]]) -> None:
+        """One optimizer step over `micro_batches` ((index, how many it stands for) of the
+        step's `accumulation`), `counter` counting each as that many."""
         model, strategy = trainer.lightning_module, trainer.strategy
-        for micro in range(accumulation):
+        for micro, weight in micro_batches:
+            counter.weight = weight
             held = strategy.block_backward_sync() if micro < accumulation - 1 else contextlib.nullcontext()
             with held:
                 loss = strategy.training_step(batch, micro)
@@ -147,8 +155,10 @@ class RehearsalLoop:
                     if micro == 0:  # as Lightning: the last step's gradients live through this forward
                         optimizer.zero_grad()
                     strategy.backward(loss / accumulation, optimizer)
-            for callback in callbacks:
-                callback.on_train_batch_end(trainer, model, {"loss": loss}, batch, micro) if micro < accumulation - 1 else None
+            if micro < accumulation - 1:
+                for callback in callbacks:
+                    callback.on_train_batch_end(trainer, model, {"loss": loss}, batch, micro)
+        counter.weight = 1
         for optimizer in trainer.optimizers:
             for callback in callbacks:
                 callback.on_before_optimizer_step(trainer, model, optimizer)
@@ -193,6 +203,15 @@ def consolidated_bytes(optimizer: Any) -> int:
     state = sum(t.numel() * t.element_size() for per_parameter in optimizer.optim.state.values()
                 for t in per_parameter.values() if torch.is_tensor(t) and t.dim())
     return round(state / own * (sum(shares) - own)) if own else 0
+
+
+def micro_batches(accumulation: int) -> List[Tuple[int, int]]:
+    """The measured step's micro-batches, (index, how many it stands for): the first (it frees
+    the last step's gradients), the second for all up to the last but one (they repeat its ops
+    and bytes), and the last (it synchronises the gradients)."""
+    if accumulation <= 3:
+        return [(micro, 1) for micro in range(accumulation)]
+    return [(0, 1), (1, accumulation - 2), (accumulation - 1, 1)]
 
 
 def strategy_callbacks(trainer: Any) -> List[Any]:
