@@ -162,12 +162,12 @@ class RehearsedDDP(nn.Module):
         self.hook_state: Any = process_group
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         self.hook: Any = allreduce_hook
+        # DDP's assignment: a bucket closes once it holds its cap or more (one dtype a bucket).
         self.buckets: List[List[nn.Parameter]] = []
-        cap, size = FIRST_BUCKET_MB * 2 ** 20, None
+        cap, size = FIRST_BUCKET_MB * 2 ** 20, 0
         for parameter in reversed([p for p in module.parameters() if p.requires_grad]):
-            if size is None or size + parameter.nbytes > cap or self.buckets[-1][0].dtype != parameter.dtype:
-                if size is not None:
-                    cap = bucket_cap_mb * 2 ** 20
+            if not self.buckets or size >= cap or self.buckets[-1][0].dtype != parameter.dtype:
+                cap = cap if not self.buckets else bucket_cap_mb * 2 ** 20
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(parameter)
