@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -304,6 +306,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--device-type", default="cuda", choices=DEVICE_TYPES)
     parser.add_argument("--out", type=Path, required=True, help="the report's JSON file")
     args = parser.parse_args(argv)
+    # What a rank says is its report, or its one line of refusal: the libraries' notes (devices
+    # found, tips, warnings) are about a run on this machine, which a rehearsal is not.
+    import pytorch_lightning  # noqa: F401 (it sets its loggers' levels when imported)
+
+    warnings.simplefilter("ignore")
+    for library in ("pytorch_lightning", "lightning_fabric"):
+        logging.getLogger(library).setLevel(logging.ERROR)
     with exit_on_user_error():
         cfg = OmegaConf.load(args.run_dir / CONFIG_YAML)
         report = rehearse_rank(cfg, read_plan(args.run_dir), args.rank, args.steps, args.device_type)
@@ -311,6 +320,11 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
+    from runner.core.paths import user_code_last
+    from runner.rank.parent import tie_to_command
+
+    tie_to_command()  # a rehearsal the command started ends with it
+    user_code_last()
     main()
     sys.stdout.flush()
     os._exit(0)  # past torch's teardown of the fake group's threads (runner/train.py says why)
