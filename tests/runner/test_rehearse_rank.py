@@ -95,3 +95,45 @@ def test_the_first_and_last_pipeline_stages_differ(tmp_path):
     assert sent[0]["send"] == sent[0]["recv"] == sent[3]["send"] == sent[3]["recv"] == (4, 4 * activation)
     assert first["memory"]["parameters"] != last["memory"]["parameters"]
     assert first["tokens_per_step"] == last["tokens_per_step"] == 32 * 32
+
+
+# (model of bench/auto_memory.py, processes, strategies with their knobs) rehearsed and run for real.
+AGAINST_REAL_RUNS = [
+    ("gpt", 1, {}),
+    ("mlp", 2, {}),
+    ("gpt", 2, {}),
+    ("gpt", 2, {"sharding": {"stage": 3}}),
+    ("gpt", 2, {"amp": {"dtype": "bfloat16"}, "recompute": {}}),
+]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> Dict[Tuple[str, int], List[Dict[str, Any]]]:
+    """What each rank of the real runs held, by kind (bench/auto_memory.py's PeakMemory: the busiest
+    rank's peaks over the first step), the runs of one model and world size in one set of ranks."""
+    from bench.auto_memory import measure
+
+    found: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
+    for model, world_size, strategies in AGAINST_REAL_RUNS:
+        found.setdefault((model, world_size), []).append({"label": str(strategies), "strategies": strategies,
+                                                          "batch_size": 0, "micro_batch": 0})
+    for (model, world_size), listed in found.items():
+        measure(model, world_size, listed, tmp_path_factory.mktemp(f"{model}{world_size}"))
+    return found
+
+
+@pytest.mark.parametrize("model, world_size, strategies", AGAINST_REAL_RUNS,
+                         ids=[f"{m}x{w}-{'+'.join(s) or 'plain'}" for m, w, s in AGAINST_REAL_RUNS])
+def test_rehearsed_parts_are_what_real_runs_hold(tmp_path, measured, model, world_size, strategies):
+    from bench.auto_memory import KINDS, MODELS, QUIET, overrides
+
+    real = next(entry["measured"] for entry in measured[(model, world_size)] if entry["strategies"] == strategies)
+    quiet = [override for override in QUIET if "PeakMemory" not in override]
+    done, report = rehearse(tmp_path / "run", [*MODELS[model], f"trainer.devices={world_size}", *quiet,
+                                               *overrides(strategies)], rank=0)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ratios = {kind: report["memory"][kind] / real[kind] for kind in KINDS}
+    # Measured: parameters, gradients and optimizer states to the byte but AdamW's step counts (4 bytes
+    # each) and FSDP2's gathered parameters (its padding); activations within 4% (MemTracker counts
+    # what forward makes and holds, PeakMemory what autograd saves).
+    assert all(abs(ratio - 1) <= 0.15 for ratio in ratios.values()), ratios
