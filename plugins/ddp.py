@@ -8,15 +8,14 @@ too, so this strategy registers them itself.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from typing_extensions import override
 
-from plugins.rehearsal import RehearsedDDP, rehearsing
+from plugins.rehearsal import data_parallel, rehearsing
 
 # Called once the process group exists (hook states may create subgroups): returns (state, hook).
 HookFactory = Callable[[], Tuple[Any, Callable]]
@@ -37,18 +36,8 @@ class FleetDDPStrategy(DDPStrategy):
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if rehearsing():  # DDP's C++ reducer cannot run on fake tensors: its buckets and hook in Python
-            return RehearsedDDP(model, **self._ddp_kwargs)
+            return data_parallel(model, **self._ddp_kwargs)
         return super()._setup_model(model)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if not isinstance(self.model, RehearsedDDP):
-            with super().block_backward_sync():
-                yield
-            return
-        with self.model.no_sync():
-            yield
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -20,14 +20,13 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from plugins import pipeline_checkpoint
 from plugins.ddp import process_group_timeout
 from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.pipeline_split import in_eval_mode, keep_only_stages, stage_ranks, stage_split_points, traced_stages
-from plugins.rehearsal import real_tensors
+from plugins.rehearsal import data_parallel, real_tensors
 from plugins.sharding import layout_mesh, shard_strategy_optimizers
 from plugins.transforms import ModelContext
 from runner.core.errors import ConfigError
@@ -256,7 +255,7 @@ def _replicate(stage: Any, group: dist.ProcessGroup) -> None:
     """Wrap the stage's module in DDP over `group`: the stage runs it without gradient sync but
     at its last micro-batch's backward, so gradients are averaged over the replicas once a step."""
     traced = stage.submod
-    stage.submod = DistributedDataParallel(traced, process_group=group)
+    stage.submod = data_parallel(traced, process_group=group)
     stage.submod.graph = traced.graph  # which the stage reads for its p2p metadata at the first step
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -141,24 +142,42 @@ class Bucket:
         return self._last
 
 
+def data_parallel(module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
+    """DistributedDataParallel(module, **kwargs), a RehearsedDDP in a rehearsal."""
+    return (RehearsedDDP if rehearsing() else DistributedDataParallel)(module, **kwargs)
+
+
+class _NoReducer:
+    """What callers of DDP's reducer ask of it before a synchronised backward: nothing to do here."""
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        pass
+
+
 FIRST_BUCKET_MB = 1  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 
 
-class RehearsedDDP(nn.Module):
+class RehearsedDDP(DistributedDataParallel):
     """DistributedDataParallel as a rehearsal runs it (DDP's C++ reducer cannot run on fake
-    tensors): the same buckets (parameters in reverse order, DDP's first bucket of 1 MB, then
-    `bucket_cap_mb`; a flat buffer each, a second copy of the gradients unless
-    `gradient_as_bucket_view`, held as buffers so the trackers count them), reduced once a
+    tensors): the same buckets (parameters in reverse order, each closed once it holds DDP's first
+    bucket's 1 MB, then `bucket_cap_mb`; a flat buffer each, a second copy of the gradients unless
+    `gradient_as_bucket_view`, held as buffers so that the tracker counts them), reduced once a
     synchronised backward has made the gradients, each through the registered communication hook
     (DDP's all-reduce of the average by default). DDP overlaps them with backward; the bytes and
-    collectives are the same."""
+    collectives are the same. A DDP to whoever asks (Lightning's strategy, the pipeline's stages:
+    `no_sync` and the reducer's calls before a synchronised backward), built without DDP's own setup."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
                  process_group: Any = None, **_: Any) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.module = module
         self.process_group = process_group
         self.require_backward_grad_sync = True
+        self.static_graph = self.find_unused_parameters = False
+        self.reducer = _NoReducer()
         self.hook_state: Any = process_group
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         self.hook: Any = allreduce_hook
@@ -187,13 +206,8 @@ class RehearsedDDP(nn.Module):
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         self.hook_state, self.hook = state, hook
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = True
+    def _get_ddp_logging_data(self) -> Dict[str, Any]:
+        return {}
 
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
         if self.require_backward_grad_sync and not self._queued:  # once per backward, at its end

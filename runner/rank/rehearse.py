@@ -41,6 +41,8 @@ CONSOLIDATED = ("checkpoint_peak: ZeroRedundancyOptimizer consolidates on rank 0
                 "parameter bytes at its own state bytes per parameter byte)")
 REPEATED = ("accumulation: micro-batches 2 to the last but one repeat the second's ops and collectives, which are "
             "counted {} times; the first step is one synchronised micro-batch (it makes the optimizer's state)")
+ADAPTIVE = ("its averaging period follows the loss, which a rehearsal does not compute: the callbacks are handed a "
+            "loss of 0, and the parameters' all-reduce is counted at the steps that period gives")
 SCALER = ("float16's loss scaler scales the loss as in a run; its unscale, overflow check and skipped steps "
           "are not rehearsed (the check reads the device): the optimizer steps plainly")
 
@@ -92,6 +94,8 @@ def rehearse_rank(cfg: DictConfig, plan: Plan, rank: int, steps: int, device_typ
     report = {"rank": rank, "world_size": size, **loop.report, "seconds": round(time.time() - started, 2)}
     if "compile" in (claim.by for claim in plan.model_transforms) or cfg.fast_path.compile:
         report["formula"]["fast_path"] = EAGER
+    if "adaptive_localsgd" in plan.strategies:
+        report["formula"]["adaptive_localsgd"] = ADAPTIVE
     return report
 
 
@@ -122,6 +126,7 @@ class RehearsalLoop:
             callback.on_train_start(trainer, model)
         with rehearsal.real_tensors():
             batch, accumulation = first_batch(trainer)
+            self.outputs = {"loss": torch.zeros(())}  # what callbacks read of a step: a loss no rehearsal knows
         rules = rehearsal.CudaRulesOnCpu() if self.device_type == "cuda" else contextlib.nullcontext()
         counter = rehearsal.StepCounter(self.ranks_per_node)
         with rules:
@@ -158,8 +163,7 @@ class RehearsalLoop:
                         optimizer.zero_grad()
                     strategy.backward(loss / accumulation, optimizer)
             if micro < accumulation - 1:
-                for callback in callbacks:
-                    callback.on_train_batch_end(trainer, model, {"loss": loss}, batch, micro)
+                self.batch_ended(trainer, callbacks, batch, micro)
         counter.weight = 1
         for optimizer in trainer.optimizers:
             for callback in callbacks:
@@ -168,8 +172,15 @@ class RehearsalLoop:
         steps = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
         steps.increment_ready()
         steps.increment_completed()  # trainer.global_step: localsgd's averaging follows it
-        for callback in callbacks:
-            callback.on_train_batch_end(trainer, model, {"loss": loss}, batch, accumulation - 1)
+        self.batch_ended(trainer, callbacks, batch, accumulation - 1)
+
+    def batch_ended(self, trainer: Any, callbacks: List[Any], batch: Any, micro: int) -> None:
+        """The callbacks' on_train_batch_end, handed a real loss (a callback may read its value)."""
+        from plugins import rehearsal
+
+        with rehearsal.real_tensors():
+            for callback in callbacks:
+                callback.on_train_batch_end(trainer, trainer.lightning_module, self.outputs, batch, micro)
 
     def checkpoint_peak(self, trainer: Any) -> int:
         """The most bytes held while the strategy gathers what a checkpoint saves: the module's
