@@ -137,3 +137,41 @@ def test_rehearsed_parts_are_what_real_runs_hold(tmp_path, measured, model, worl
     # each) and FSDP2's gathered parameters (its padding); activations within 4% (MemTracker counts
     # what forward makes and holds, PeakMemory what autograd saves).
     assert all(abs(ratio - 1) <= 0.15 for ratio in ratios.values()), ratios
+
+
+# Rows of conf/compat.yaml that hold every strategy between them, each with the settings under
+# which its members act (tests/helpers/strategies.py) and its own (after them), and the collectives
+# the rehearsed step must show.
+COVERING_ROWS = [
+    (["amp", "gradient_merge", "recompute"], [], {"all_reduce"}),
+    (["dgc", "recompute"], ["model/optimizer=sgd"], {"all_gather"}),  # the sparse exchange: values and indices
+    (["amp", "localsgd"], ["strategy.localsgd.begin_step=3"], {"all_reduce"}),  # still synchronous at step 2
+    (["adaptive_localsgd", "amp"], [], set()),  # local steps: it averages at its period's steps only
+    (["amp", "lars", "recompute"], ["model/optimizer=sgd"], {"all_reduce"}),
+    (["amp", "lamb", "sharding"], ["strategy.sharding.stage=2"], {"all_gather", "reduce_scatter"}),
+    (["fp16_allreduce", "lamb"], [], {"all_reduce"}),
+    (["amp", "pipeline", "sharding"], ["trainer.devices=4", "strategy.sharding.stage=1",
+                                       "strategy.sharding.pp_degree=2"], {"send", "recv", "all_reduce", "broadcast"}),
+]
+
+
+def test_the_covering_rows_hold_every_strategy():
+    from runner.config.compat import load_table
+    from runner.strategies import schemas
+
+    table = load_table()
+    assert all(any(set(row) <= set(allowed) for allowed in table.allowed) for row, _, _ in COVERING_ROWS)
+    assert {name for row, _, _ in COVERING_ROWS for name in row} == set(schemas()) - set(table.alone)
+
+
+@pytest.mark.parametrize("row, settings, collectives", COVERING_ROWS, ids=["+".join(r) for r, _, _ in COVERING_ROWS])
+def test_every_strategy_builds_and_steps_in_a_fake_world(tmp_path, row, settings, collectives):
+    from tests.helpers.strategies import STRATEGIES
+
+    devices = [] if any(s.startswith("trainer.devices=") for s in settings) else ["trainer.devices=2"]
+    done, report = rehearse(tmp_path / "run", [*GPT, *QUIET, f"strategy=[{','.join(row)}]", *devices,
+                                               *(o for name in row for o in STRATEGIES[name].row), *settings], rank=0)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {r["op"] for r in report["collectives"]} == collectives
+    assert all(report["memory"][part] > 0 for part in ("parameters", "gradients", "activations"))
+    assert report["flops"] and report["memory_traffic_bytes"] > 0
