@@ -175,3 +175,28 @@ def test_every_strategy_builds_and_steps_in_a_fake_world(tmp_path, row, settings
     assert {r["op"] for r in report["collectives"]} == collectives
     assert all(report["memory"][part] > 0 for part in ("parameters", "gradients", "activations"))
     assert report["flops"] and report["memory_traffic_bytes"] > 0
+
+
+def test_zero_stage1_names_the_rank_holding_the_most_optimizer_state(tmp_path):
+    import torch
+    from hydra.utils import instantiate
+
+    world = 64
+    overrides = [*GPT, *QUIET, "strategy=[sharding]", "strategy.sharding.stage=1", f"trainer.devices={world}"]
+    spec = validate(compose_config(overrides))
+    with torch.device("meta"):
+        optimizer = instantiate(spec.cfg.model, _convert_="all").configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    # ZeroRedundancyOptimizer's partition: whole tensors, the largest first, each to the rank holding least.
+    held, counts = [0] * world, [0] * world
+    for group in optimizer.param_groups:
+        for parameter in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
+            rank = held.index(min(held))
+            held[rank] += parameter.numel()
+            counts[rank] += 1
+    heaviest = held.index(max(held))
+    done, report = rehearse(tmp_path / "run", overrides, rank=heaviest)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert report["heaviest_rank"] == heaviest
+    # AdamW's two float32 moments and a step count per parameter.
+    assert report["memory"]["optimizer_states"] == 2 * 4 * held[heaviest] + 4 * counts[heaviest]
