@@ -303,6 +303,18 @@ class MemoryTracking:
         return {**self._peaks, "step_peak": self.peak()}
 
 
+def host_shard_bytes(model: nn.Module) -> int:
+    """Bytes of the parameter shards FSDP2 keeps in host memory (its CPU offload; 0 without):
+    read off FSDP2's parameter groups, which say where their shards live."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)  # a unit's modules share one
+              for group in [module._get_fsdp_state()._fsdp_param_group]}
+    return sum(fsdp_param.sharded_param._local_tensor.nbytes for group in groups.values()
+               if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+               for fsdp_param in group.fsdp_params)
+
+
 # --------------------------------------------------------------------------- what a step does
 
 

@@ -43,6 +43,8 @@ REPEATED = ("accumulation: micro-batches 2 to the last but one repeat the second
             "counted {} times; the first step is one synchronised micro-batch (it makes the optimizer's state)")
 ADAPTIVE = ("its averaging period follows the loss, which a rehearsal does not compute: the callbacks are handed a "
             "loss of 0, and the parameters' all-reduce is counted at the steps that period gives")
+OFFLOAD = ("offload: host is the shards' bytes (parameters, their gradients, optimizer states); the device's parts "
+           "and peak are the step's less them (the gathered parameters and unsharded gradients stay)")
 SCALER = ("float16's loss scaler scales the loss as in a run; its unscale, overflow check and skipped steps "
           "are not rehearsed (the check reads the device): the optimizer steps plainly")
 
@@ -292,21 +294,20 @@ def formulas(trainer: Any) -> Dict[str, str]:
 
 
 def offloaded(report: Dict[str, Any], trainer: Any) -> None:
-    """Under FSDP2's CPU offload the shards (parameters, gradients, optimizer states) live in host
-    memory: counted there, not on the device (the rehearsal's tensors are all on the CPU)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
+    """Under FSDP2's CPU offload the shards (parameters, their gradients, the optimizer states) live
+    in host memory: counted there, not on the device (a rehearsal's tensors are all on one device)."""
+    from plugins import rehearsal
 
-    offload = any(isinstance(getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_offload_policy", None),
-                                 CPUOffloadPolicy) for module in trainer.strategy.model.modules())
-    if not offload:
+    shards = rehearsal.host_shard_bytes(trainer.strategy.model)
+    if not shards:
         return
     memory = report["memory"]
-    memory["host"] = sum(memory[part] for part in ("parameters", "gradients", "optimizer_states"))
-    for part in ("parameters", "gradients", "optimizer_states"):
-        memory["step_peak"] -= memory[part]
-        memory[part] = 0
-    report["formula"]["sharding"] = ("offload: the shards' bytes (parameters, gradients, optimizer states) are "
-                                     "host memory; the device peak is the step's less them")
+    on_host = {"parameters": shards, "gradients": shards, "optimizer_states": memory["optimizer_states"]}
+    for part, size in on_host.items():
+        memory[part] -= size
+    memory["host"] = sum(on_host.values())
+    memory["step_peak"] -= memory["host"]
+    report["formula"]["sharding"] = OFFLOAD
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -200,3 +200,15 @@ def test_zero_stage1_names_the_rank_holding_the_most_optimizer_state(tmp_path):
     assert report["heaviest_rank"] == heaviest
     # AdamW's two float32 moments and a step count per parameter.
     assert report["memory"]["optimizer_states"] == 2 * 4 * held[heaviest] + 4 * counts[heaviest]
+
+
+def test_offloaded_shards_are_host_memory(tmp_path):
+    done, report = rehearse(tmp_path / "run", [*GPT, *QUIET, "strategy=[sharding]", "strategy.sharding.stage=3",
+                                               "strategy.sharding.optimize_offload=true", "trainer.devices=4"], rank=0)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shapes = gpt_parameter_shapes()
+    shard = sum(math.ceil(shape[0] / 4) * math.prod(shape[1:]) * 4 for shape in shapes)
+    # The parameters' shards, their gradients' and AdamW's moments and step counts, in host memory.
+    assert report["memory"]["host"] == shard + shard + 2 * shard + 4 * len(shapes)
+    assert report["memory"]["optimizer_states"] == 0
+    assert "sharding" in report["formula"]
