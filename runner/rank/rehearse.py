@@ -34,6 +34,7 @@ from runner.records.files import CONFIG_YAML
 from runner.records.run_dir import read_plan
 
 DEVICE_TYPES = ("cuda", "cpu")
+COMPILE = "plugins.fast_path:compile_model"  # the plan's compile transform, which a rehearsal runs eagerly
 # Why a figure is not what the rehearsed step did, per strategy (the report's "formula").
 EAGER = "the step is rehearsed eagerly: compile's fused kernels (fewer temporaries, less memory traffic) are not"
 CONSOLIDATED = ("checkpoint_peak: ZeroRedundancyOptimizer consolidates on rank 0 through pickled objects, which "
@@ -58,13 +59,11 @@ def rank_environment(rank: int, world: World) -> Dict[str, str]:
 
 
 def for_rehearsal(cfg: DictConfig) -> DictConfig:
-    """The run's config as a rehearsal builds it: on the CPU (fake tensors stand for the target
-    device: `rehearse_rank`'s device_type), without loggers and callbacks of the user's that
-    would write files, its model as it runs eagerly."""
+    """The run's config as a rehearsal builds it: on the CPU (its fake tensors stand for the target
+    device: `rehearse_rank`'s device_type), without the loggers, which would write files."""
     cfg = cfg.copy()
     cfg.trainer.accelerator = "cpu"
     cfg.logger = {}
-    cfg.fast_path.compile = False
     return cfg
 
 
@@ -94,7 +93,7 @@ def rehearse_rank(cfg: DictConfig, plan: Plan, rank: int, steps: int, device_typ
     finally:
         torch.distributed.destroy_process_group()
     report = {"rank": rank, "world_size": size, **loop.report, "seconds": round(time.time() - started, 2)}
-    if "compile" in (claim.by for claim in plan.model_transforms) or cfg.fast_path.compile:
+    if any(claim.component.target == COMPILE for claim in plan.model_transforms):
         report["formula"]["fast_path"] = EAGER
     if "adaptive_localsgd" in plan.strategies:
         report["formula"]["adaptive_localsgd"] = ADAPTIVE
