@@ -303,6 +303,13 @@ class MemoryTracking:
         return {**self._peaks, "step_peak": self.peak()}
 
 
+def zero_shares(optimizer: Any) -> List[int]:
+    """The parameter bytes of each rank's share of a ZeroRedundancyOptimizer's partition (whole
+    tensors; every rank knows the whole partition), in the order of its group's ranks."""
+    return [sum(p.numel() * p.element_size() for group in groups for p in group["params"])
+            for groups in optimizer._partition_parameters()]
+
+
 def host_shard_bytes(model: nn.Module) -> int:
     """Bytes of the parameter shards FSDP2 keeps in host memory (its CPU offload; 0 without):
     read off FSDP2's parameter groups, which say where their shards live."""

@@ -211,8 +211,9 @@ def consolidated_bytes(optimizer: Any) -> int:
     on rank 0: their shares' parameter bytes at this rank's state bytes per parameter byte."""
     import torch
 
-    shares = [sum(p.numel() * p.element_size() for group in groups for p in group["params"])
-              for groups in optimizer._partition_parameters()]
+    from plugins.rehearsal import zero_shares
+
+    shares = zero_shares(optimizer)
     own = shares[optimizer.rank]
     state = sum(t.numel() * t.element_size() for per_parameter in optimizer.optim.state.values()
                 for t in per_parameter.values() if torch.is_tensor(t) and t.dim())
@@ -275,11 +276,13 @@ def heaviest_rank(optimizers: List[Any]) -> Optional[int]:
     sharded = [optimizer for optimizer in optimizers if isinstance(optimizer, ZeroRedundancyOptimizer)]
     if not sharded:
         return None
+    from plugins.rehearsal import zero_shares
+
     held: Dict[int, int] = {}
     for optimizer in sharded:
-        for group_rank, groups in enumerate(optimizer._partition_parameters()):
+        for group_rank, share in enumerate(zero_shares(optimizer)):
             rank = dist.get_global_rank(optimizer.process_group, group_rank)
-            held[rank] = held.get(rank, 0) + sum(p.numel() * p.element_size() for group in groups for p in group["params"])
+            held[rank] = held.get(rank, 0) + share
     return max(sorted(held), key=held.__getitem__)
 
 

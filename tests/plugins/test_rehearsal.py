@@ -23,26 +23,51 @@ PRIVATE_API = [
     ("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ("torch._C._distributed_c10d", "_create_work_from_future"),
     ("torch.utils.flop_counter", "flop_registry"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.utils._pytree", "tree_leaves"),
+    ("torch._C", "_get_dispatch_mode"),
+    ("torch._C", "_TorchDispatchModeKey"),
+    ("torch.distributed.optim.ZeroRedundancyOptimizer", "_partition_parameters"),
+    ("torch.distributed.fsdp.FSDPModule", "_get_fsdp_state"),
+    ("torch.autograd.Variable._execution_engine", "queue_callback"),
 ]
 # MemTracker's categories the report's parts are made of.
 MEMTRACKER_CATEGORIES = {"Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other"}
 
 
+def resolve(dotted: str, name: str):
+    """`dotted`'s attribute `name`, `dotted` a module or an object inside one."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        for attribute in (*parts[end:], name):
+            found = getattr(found, attribute)
+        return found
+    raise ImportError(dotted)
+
+
 @pytest.mark.parametrize("module, name", PRIVATE_API, ids=[f"{m}.{n}" for m, n in PRIVATE_API])
 def test_torch_still_has_the_private_api_the_adapter_uses(module, name):
     try:
-        found = getattr(importlib.import_module(module), name)
+        found = resolve(module, name)
     except (ImportError, AttributeError) as moved:
         pytest.fail(f"torch {torch.__version__} moved {module}.{name} ({moved}): plugins/rehearsal.py, "
                     f"the rehearsal's one adapter, must follow it")
     assert found is not None
 
 
-def test_memtracker_still_has_the_categories_the_report_reads():
-    from torch.distributed._tools.mem_tracker import _MemRefType
+def test_memtracker_still_has_the_categories_and_state_the_adapter_reads():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     assert MEMTRACKER_CATEGORIES <= {category.value for category in _MemRefType}, (
         f"torch {torch.__version__} renamed MemTracker's categories: plugins/rehearsal.py's MEMORY_PARTS must follow")
+    tracker = MemTracker()
+    assert hasattr(tracker.memory_tracking, "pop") and isinstance(tracker._mod_tracker.is_bw, bool), (
+        f"torch {torch.__version__} changed MemTracker's per-module state, which plugins/rehearsal.py's "
+        f"MemoryTracking resets at each micro-batch")
 
 
 @pytest.fixture
