@@ -110,7 +110,8 @@ class CompletedWork(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject):
+        if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 \
+                and isinstance(out[1], torch.ScriptObject):  # (tensors, work)
             future: torch.futures.Future = torch.futures.Future()
             future.set_result(out[0])
             return out[0], _create_work_from_future(future).boxed()
@@ -292,7 +293,8 @@ class MemoryTracking:
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
-        self._fold(snapshots for stats in self.tracker.memory_tracking.values() for snapshots in stats.snapshots.values())
+        self._fold(snapshots for stats in self.tracker.memory_tracking.values()
+                   for snapshots in stats.snapshots.values())
         self._fold([[self.tracker.get_tracker_snapshot("peak"), self.tracker.get_tracker_snapshot()]])
 
     def peak(self) -> int:
@@ -315,8 +317,8 @@ def host_shard_bytes(model: nn.Module) -> int:
     read off FSDP2's parameter groups, which say where their shards live."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)  # a unit's modules share one
-              for group in [module._get_fsdp_state()._fsdp_param_group]}
+    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in [module._get_fsdp_state()._fsdp_param_group]}  # a unit's modules share one
     return sum(fsdp_param.sharded_param._local_tensor.nbytes for group in groups.values()
                if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
                for fsdp_param in group.fsdp_params)

@@ -140,12 +140,13 @@ class RehearsalLoop:
             memory["checkpoint_peak"] = self.checkpoint_peak(trainer)
         if accumulation > len(micro_batches(accumulation)):
             self.formulas["gradient_merge"] = REPEATED.format(accumulation - 2)
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            self.formulas["amp"] = SCALER
         memory["host"] = 0
         self.report.update(kind=kind_of(strategy), memory=memory, collectives=counter.collective_rows(),
                            flops=dict(counter.flops), memory_traffic_bytes=counter.memory_traffic,
-                           **per_step(batch, accumulation),
-                           heaviest_rank=heaviest_rank(trainer.optimizers),
-                           formula={**formulas(trainer), **self.formulas})
+                           **per_step(batch, accumulation), heaviest_rank=heaviest_rank(trainer.optimizers),
+                           formula=self.formulas)
         offloaded(self.report, trainer)
 
     def step(self, trainer: Any, batch: Any, accumulation: int, callbacks: List[Any], counter: Any,
@@ -159,10 +160,10 @@ class RehearsalLoop:
             with held:
                 loss = strategy.training_step(batch, micro)
                 loss = loss["loss"] if isinstance(loss, dict) else loss
-                for optimizer in trainer.optimizers:
-                    if micro == 0:  # as Lightning: the last step's gradients live through this forward
+                if micro == 0:  # as Lightning: the last step's gradients live through this forward
+                    for optimizer in trainer.optimizers:
                         optimizer.zero_grad()
-                    strategy.backward(loss / accumulation, optimizer)
+                strategy.backward(loss / accumulation, trainer.optimizers[0])  # automatic optimization: one
             if micro < accumulation - 1:
                 self.batch_ended(trainer, callbacks, batch, micro)
         counter.weight = 1
@@ -286,15 +287,6 @@ def heaviest_rank(optimizers: List[Any]) -> Optional[int]:
     return max(sorted(held), key=held.__getitem__)
 
 
-def formulas(trainer: Any) -> Dict[str, str]:
-    """Per strategy, where a figure is not the rehearsed step's."""
-    found = {}
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is not None:
-        found["amp"] = SCALER
-    return found
-
-
 def offloaded(report: Dict[str, Any], trainer: Any) -> None:
     """Under FSDP2's CPU offload the shards (parameters, their gradients, the optimizer states) live
     in host memory: counted there, not on the device (a rehearsal's tensors are all on one device)."""
@@ -322,7 +314,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     # What a rank says is its report, or its one line of refusal: the libraries' notes (devices
     # found, tips, warnings) are about a run on this machine, which a rehearsal is not.
-    import pytorch_lightning  # noqa: F401 (it sets its loggers' levels when imported)
+    import pytorch_lightning  # noqa: F401 (it sets its loggers' levels when imported: first, then ours)
 
     warnings.simplefilter("ignore")
     for library in ("pytorch_lightning", "lightning_fabric"):
