@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 # --- torch's private API: every name a rehearsal uses, imported here and nowhere else.
@@ -344,6 +344,8 @@ class StepCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+            return NotImplemented  # a DTensor's op: counted as the local ops and collectives it turns into
         out = func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
         if func.namespace in ("c10d", "_c10d_functional") and name in COLLECTIVES:

@@ -170,6 +170,8 @@ class RehearsalLoop:
         for optimizer in trainer.optimizers:
             for callback in callbacks:
                 callback.on_before_optimizer_step(trainer, model, optimizer)
+            if trainer.gradient_clip_val:  # as Lightning clips: the model's hook, the precision plugin's clipping
+                model.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             optimizer.step()
         steps = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
         steps.increment_ready()

@@ -217,3 +217,21 @@ def test_cuda_rules_on_cpu_keep_cuda_float32_ops_and_no_attention_matrix():
     cuda_saved, cuda_dtype = run(rehearsal.CudaRulesOnCpu())
     assert (cpu_dtype, cuda_dtype) == (torch.bfloat16, torch.float32)  # CUDA's autocast keeps softmax in float32
     assert cuda_saved < attention_matrix  # the fused kernel keeps no sequence x sequence matrix
+
+
+def test_a_dtensor_op_counts_as_its_local_ops_and_collectives(fake_world):
+    from plugins import rehearsal
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    fake_world(0, 4)
+    mesh = init_device_mesh("cpu", (4,))
+    with rehearsal.fake_tensors():
+        x = distribute_tensor(torch.randn(8, 16), mesh, [Replicate()])
+        w = distribute_tensor(torch.randn(16, 32), mesh, [Shard(1)])
+        (x @ w).redistribute(mesh, [Replicate()])  # DTensor's sharding propagation (global shapes), once: step 1
+        with rehearsal.StepCounter(ranks_per_node=4) as counter:
+            (x @ w).redistribute(mesh, [Replicate()])  # as tensor parallelism gathers a colwise output
+    assert dict(counter.flops) == {"float32": 2 * 8 * 16 * (32 // 4)}  # this rank's columns, not the whole
+    assert [(row["op"], row["group_size"], row["bytes"]) for row in counter.collective_rows()] == [
+        ("all_gather", 4, 8 * (32 // 4) * 4)]
