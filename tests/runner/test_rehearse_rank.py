@@ -148,7 +148,8 @@ COVERING_ROWS = [
     (["amp", "localsgd"], ["strategy.localsgd.begin_step=3"], {"all_reduce"}),  # still synchronous at step 2
     (["adaptive_localsgd", "amp"], [], set()),  # local steps: it averages at its period's steps only
     (["amp", "lars", "recompute"], ["model/optimizer=sgd"], {"all_reduce"}),
-    (["amp", "lamb", "sharding"], ["strategy.sharding.stage=2"], {"all_gather", "reduce_scatter"}),
+    (["amp", "lamb", "sharding"], ["strategy.sharding.stage=2"],  # LAMB's norms of whole tensors: all-reduced
+     {"all_gather", "reduce_scatter", "all_reduce"}),
     (["fp16_allreduce", "lamb"], [], {"all_reduce"}),
     (["amp", "pipeline", "sharding"], ["trainer.devices=4", "strategy.sharding.stage=1",
                                        "strategy.sharding.pp_degree=2"], {"send", "recv", "all_reduce", "broadcast"}),
