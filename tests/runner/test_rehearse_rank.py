@@ -213,3 +213,9 @@ def test_offloaded_shards_are_host_memory(tmp_path):
     assert report["memory"]["host"] == shard + shard + 2 * shard + 4 * len(shapes)
     assert report["memory"]["optimizer_states"] == 0
     assert "sharding" in report["formula"]
+
+
+def test_a_rank_outside_the_world_is_refused_in_one_line(tmp_path):
+    done, report = rehearse(tmp_path / "run", [*GPT, *QUIET, "trainer.devices=2"], rank=2)
+    assert done.returncode == 2 and report is None
+    assert done.stderr.strip().splitlines() == ["lightfleet: error: --rank=2: a rank of the run's 2 processes (0 to 1)"]
