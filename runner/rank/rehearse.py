@@ -153,10 +153,13 @@ class RehearsalLoop:
              micro_batches: List[Tuple[int, int]]) -> None:
         """One optimizer step over `micro_batches` ((index, how many it stands for) of the
         step's `accumulation`), `counter` counting each as that many."""
+        from pytorch_lightning.strategies import ParallelStrategy
+
         model, strategy = trainer.lightning_module, trainer.strategy
         for micro, weight in micro_batches:
             counter.weight = weight
-            held = strategy.block_backward_sync() if micro < accumulation - 1 else contextlib.nullcontext()
+            holds = isinstance(strategy, ParallelStrategy) and micro < accumulation - 1  # as Lightning holds sync
+            held = strategy.block_backward_sync() if holds else contextlib.nullcontext()
             with held:
                 loss = strategy.training_step(batch, micro)
                 loss = loss["loss"] if isinstance(loss, dict) else loss

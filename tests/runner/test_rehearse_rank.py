@@ -219,3 +219,18 @@ def test_a_rank_outside_the_world_is_refused_in_one_line(tmp_path):
     done, report = rehearse(tmp_path / "run", [*GPT, *QUIET, "trainer.devices=2"], rank=2)
     assert done.returncode == 2 and report is None
     assert done.stderr.strip().splitlines() == ["lightfleet: error: --rank=2: a rank of the run's 2 processes (0 to 1)"]
+
+
+def test_accumulated_micro_batches_count_as_many_as_the_plan_runs(tmp_path):
+    reports = {}
+    for k_steps in (1, 6):  # 6: the middle four run once and count four times
+        done, reports[k_steps] = rehearse(tmp_path / f"k{k_steps}", [*GPT, *QUIET, "strategy=[gradient_merge]",
+                                                                     f"strategy.gradient_merge.k_steps={k_steps}"], rank=0)
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, six = reports[1], reports[6]
+    assert six["flops"] == {dtype: 6 * flops for dtype, flops in one["flops"].items()}  # matmuls: forward and backward
+    assert six["samples_per_step"] == 6 * one["samples_per_step"]
+    # One micro-batch's activations at a time (give or take the loss's logits-sized gradient, which the
+    # tracker counts as an activation or a temporary by when it is made).
+    assert abs(six["memory"]["activations"] / one["memory"]["activations"] - 1) < 0.05
+    assert "gradient_merge" in six["formula"] and not six["collectives"]
