@@ -13,7 +13,8 @@ own folder and the layers below it (tests/test_layers.py holds the code to LAYER
     models, data the built-in LightningModules and DataModules (beside plugins/, the Lightning
                  components that carry out each strategy).
     rank/        inside each rank: build (carries out the plan), train, and the runner's own callbacks
-                 (measure, preemption, resume, progress).
+                 (measure, preemption, resume, progress); rehearse, a rank of a fake world built by
+                 the same build and measured (`lightfleet rehearse`).
     command/     the command process: the preflight (every check, in order), the plans, the CLI, the
                  job, the launch of the ranks, auto's trials; `python -m runner` and `python -m runner.train
                  RUN_DIR` (a fresh rank's entry point) stand at this level.
