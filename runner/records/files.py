@@ -101,7 +101,13 @@ def failure_outcome(error: str, otherwise: str = FAILED) -> str:
 
 
 def holds_run(path: Path) -> bool:
-    return (path / CONFIG_YAML).is_file()
+    """A training run's directory (a rehearsal's holds a config too, and trains nothing)."""
+    return (path / CONFIG_YAML).is_file() and not holds_rehearsal(path)
+
+
+def holds_rehearsal(path: Path) -> bool:
+    """`lightfleet rehearse`'s directory, from its first rank's start on."""
+    return (path / REHEARSAL_YAML).is_file() or (path / Path(REHEARSAL_REPORT).parent).is_dir()
 
 
 def holds_sweep(path: Path) -> bool:

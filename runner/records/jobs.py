@@ -13,7 +13,8 @@ import yaml
 from runner.core.errors import ConfigError
 from runner.records.files import (CONFIG_YAML, DIVERGED, ENV_YAML, FINISHED, HYDRA_OVERRIDES, METRICS_CSV,
                                   MULTIRUN_YAML, NOT_STARTED, OUT_OF_MEMORY, PREEMPTED, REFUSED, REFUSED_YAML,
-                                  SWEEP_YAML, holds_run, holds_sweep, job_ending, read_yaml)
+                                  REHEARSAL_YAML, SWEEP_YAML, holds_rehearsal, holds_run, holds_sweep, job_ending,
+                                  read_yaml)
 
 
 @dataclass
@@ -51,6 +52,9 @@ def collect_jobs(paths: Sequence[Path]) -> List[Job]:
             jobs.append(read_job(path, name))
         elif holds_sweep(path):
             jobs += read_sweep(path, prefix=f"{name}/" if len(paths) > 1 else "")
+        elif holds_rehearsal(path):
+            raise ConfigError("report", str(path), f"is a rehearsal (lightfleet rehearse), which trains nothing: "
+                              f"its figures and verdict are in {REHEARSAL_YAML}")
         else:
             raise ConfigError("report", str(path), f"is neither a run directory (holding {CONFIG_YAML}) nor "
                               f"a sweep directory (holding {MULTIRUN_YAML} or {SWEEP_YAML})")

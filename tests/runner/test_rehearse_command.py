@@ -334,6 +334,12 @@ def test_sigterm_to_the_command_ends_its_ranks_and_says_so(tmp_path):
     wait_gone([rank], within=10)
     record = yaml.safe_load((tmp_path / "out" / "rehearsal.yaml").read_text())
     assert record["fits"] is None and record["verdict"] == err.strip()
+    # Not a run that failed: lightfleet report and resume say what the directory is.
+    report = subprocess.run([*command[:command.index("rehearse")], "report", "out"], cwd=tmp_path, env=environment,
+                            capture_output=True, text=True)
+    assert report.returncode == 2 and report.stderr == (
+        "lightfleet: error: report='out': is a rehearsal (lightfleet rehearse), which trains nothing: its figures "
+        "and verdict are in rehearsal.yaml\n")
 
 
 @pytest.mark.slow
