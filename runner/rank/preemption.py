@@ -56,6 +56,7 @@ class Preemption(pl.Callback):
         self.guard = NonFiniteGuard() if stop_on_nonfinite else None
         self.diverged_at = 0  # the first step with a non-finite loss, once read
         self.last_step = -1
+        self.checked_step = -1  # the step whose weights the guard last found finite before a checkpoint
         self._vote: Optional[Vote] = None  # the vote under way
 
     def note(self, signum: int, _frame: Any = None) -> None:
@@ -88,9 +89,11 @@ class Preemption(pl.Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
         # Called on every rank before anything is written (Lightning calls the checkpoint callbacks'
         # save after this callback's step hooks): a checkpoint with non-finite weights never replaces
-        # a good one. Not called for a ModelCheckpoint's save_weights_only files.
-        if self.guard is not None:
+        # a good one. Not called for a ModelCheckpoint's save_weights_only files. Once a step: the
+        # weights are those of its optimizer step until the next (the top-k file and last.ckpt).
+        if self.guard is not None and trainer.global_step != self.checked_step:
             self.guard.check(trainer, pl_module)
+            self.checked_step = trainer.global_step
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A rank of several that fails waits FAILURE_GRACE_S before it goes on to report, ending at
