@@ -113,7 +113,8 @@ class HookClock:
         self.durations: Dict[str, List[float]] = defaultdict(list)
         self.first = self.last = 0.0
         for name in dir(type(callback)):
-            if name.startswith("on_") and getattr(type(callback), name) is not getattr(base, name, None):
+            hook = getattr(type(callback), name)  # None: a hook Lightning skips (runner/rank/hooks.py)
+            if name.startswith("on_") and callable(hook) and hook is not getattr(base, name, None):
                 setattr(callback, name, self._timed(name, getattr(callback, name)))
 
     def _timed(self, name: str, hook: Callable) -> Callable:

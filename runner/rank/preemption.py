@@ -29,6 +29,7 @@ import pytorch_lightning as pl
 import torch
 
 from runner.rank.divergence import Diverged, NonFiniteGuard, diverged
+from runner.rank.hooks import OwnHooksOnly
 from runner.rank.parent import COMMAND_PID, SIGNALS, exit_status
 from runner.rank.progress import logging_step
 from runner.records.files import LAST_CHECKPOINT
@@ -45,7 +46,7 @@ class Preempted(SystemExit):
         self.signum, self.step = signum, step
 
 
-class Preemption(pl.Callback):
+class Preemption(OwnHooksOnly):
     """Checkpoint at the step a preemption signal arrives in, on every rank alike; and, with
     `stop_on_nonfinite`, stop where the loss or a parameter became non-finite (Diverged)."""
 

@@ -21,10 +21,11 @@ from typing_extensions import override
 
 from plugins.ranks import Rule, gather, own
 from runner.data.order import GlobalOrder, Position, run_seed
+from runner.rank.hooks import OwnHooksOnly
 from runner.records.run_dir import RECORD
 
 
-class RandomStates(pl.Callback):
+class RandomStates(OwnHooksOnly):
     """Every rank's torch, CUDA, numpy and Python random generators, saved with each checkpoint
     and restored when training starts from one: a resumed run draws the dropout masks, the noise
     and the augmentations the uninterrupted run would have drawn.
@@ -74,7 +75,7 @@ def rederived(seed: int, step: int, rank: int) -> Dict[str, Any]:
     return storable(_collect_rng_states(include_cuda=torch.cuda.is_available()))
 
 
-class GlobalPosition(pl.Callback):
+class GlobalPosition(OwnHooksOnly):
     """Where a checkpoint stands, for a resume on any number of processes: every checkpoint gets
     a `lightfleet` record of the world it was written on, its global batch (micro-batch and
     accumulation) and its position in the epoch as samples of the epoch's global order
