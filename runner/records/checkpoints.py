@@ -1,11 +1,14 @@
 """Checkpoints written whole or not at all, and verified before they are used.
 
-A checkpoint file and its manifest, `<name>.manifest.json` beside it (the file's size and sha256,
-the step), are written to temporary names in their own directory and fsynced, renamed into place
-in that order (`os.replace`: atomic within one directory on a local POSIX filesystem and NFS), and
-the directory fsynced once for both (`save`): the manifest is the commit point. Journaling
-filesystems and NFS keep the two renames in order; where a crash kept the manifest's and lost the
-file's, `verify` finds the old bytes and the checkpoint is refused, never trusted. A file with the
+A checkpoint file is written to a temporary name in its own directory and fsynced, its manifest,
+`<name>.manifest.json` beside it (the file's size and sha256, the step), to another; both are
+renamed into place in that order (`os.replace`: atomic within one directory on a local POSIX
+filesystem and NFS) and the directory fsynced once for both (`save`): the manifest is the commit
+point. Two fsyncs: the manifest's bytes are not fsynced, so a machine crash may lose them, and an
+unreadable manifest reads as none (the checkpoint, on the disk, loads unverified), never as a wrong
+one. Journaling filesystems and NFS keep the two renames in order; where a crash kept the
+manifest's and lost the file's, `verify` finds the old bytes and the checkpoint is refused, never
+trusted. A file with the
 very bytes of the one this process wrote just before (Lightning's top-k checkpoint and last.ckpt
 at one validation) is made a hard link of it: nothing written twice, and removing either name
 leaves the other whole. A checkpoint directory (torch's distributed checkpoint: sharding stages
@@ -102,8 +105,8 @@ def save(path: Path, data: bytes, step: int, previous: Optional[Written] = None)
     """A checkpoint's bytes at `path`, then its manifest, the commit point; a hard link of
     `previous` (the file this process wrote last) where the bytes are the same. The previous
     manifest goes first: a crash before the new one is in place leaves a file without one, read as
-    unverified, never a manifest that does not match its file. Three fsyncs: the file (none for a
-    link: its bytes are on the disk already), the manifest, the directory for both renames."""
+    unverified, never a manifest that does not match its file. Two fsyncs: the file's bytes (none
+    for a link: they are on the disk already) and the directory, for both renames."""
     manifest_path(path).unlink(missing_ok=True)
     tmp, manifest_tmp = temporary(path), temporary(manifest_path(path))
     try:
@@ -117,7 +120,7 @@ def save(path: Path, data: bytes, step: int, previous: Optional[Written] = None)
                 write_durably(tmp, data)
             digest = hashing.result()
         manifest = {"file": path.name, "bytes": len(data), "sha256": digest, "step": step}
-        write_durably(manifest_tmp, json.dumps(manifest, indent=1).encode())
+        manifest_tmp.write_text(json.dumps(manifest, indent=1))  # lost in a crash, it reads as none
         os.replace(tmp, path)
         os.replace(manifest_tmp, manifest_path(path))
     except BaseException:

@@ -2,7 +2,7 @@
 issue 43): Lightning's ModelCheckpoint saves the top-k file and last.ckpt at every validation, the
 same bytes twice; lightfleet wrote and fsynced both, each with its manifest, 4 fsyncs a file, so a
 quickstart checkpoint cost 2.17 ms against Lightning's 1.26. Now the second is a hard link of the
-first and a file costs 3 fsyncs (a link 2), on the real filesystem of the test's directory; a
+first and a file costs 2 fsyncs (a link 1), on the real filesystem of the test's directory; a
 process killed by SIGKILL mid-save leaves only checkpoints that verify, and last.ckpt."""
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ def fsyncs(monkeypatch):
     return made
 
 
-def test_last_ckpt_of_the_top_k_files_step_is_its_hard_link_with_three_fsyncs_a_file_and_two_a_link(tmp_path, fsyncs):
+def test_last_ckpt_of_the_top_k_files_step_is_its_hard_link_with_two_fsyncs_a_file_and_one_a_link(tmp_path, fsyncs):
     io = AtomicCheckpointIO()
     top_k, last = tmp_path / "epoch=0-step=16.ckpt", tmp_path / "last.ckpt"
     io.save_checkpoint(checkpoint(16), top_k)
-    assert len(fsyncs) == 3  # the file, its manifest, the directory for both renames (it was 4)
+    assert len(fsyncs) == 2  # the file's bytes, the directory for both renames (it was 4)
     io.save_checkpoint(checkpoint(16), last)  # ModelCheckpoint's save_last, the same bytes
-    assert len(fsyncs) == 5  # the manifest and the directory: no bytes written again (it was 8 for both)
+    assert len(fsyncs) == 3  # the directory: no bytes written again (it was 8 for both)
     assert last.stat().st_ino == top_k.stat().st_ino
     for path in (top_k, last):
         assert checkpoints.verify(path).problem is None
@@ -67,7 +67,7 @@ def test_other_bytes_of_the_same_step_are_written_and_replace_the_link_not_its_t
     io.save_checkpoint(checkpoint(32), top_k)
     io.save_checkpoint(checkpoint(32), last)
     io.save_checkpoint(checkpoint(32, scale=2.0), last)  # as fit's end saves last.ckpt again: other loop state
-    assert len(fsyncs) == 3 + 2 + 3
+    assert len(fsyncs) == 2 + 1 + 2
     assert last.stat().st_ino != top_k.stat().st_ino
     assert torch.equal(torch.load(top_k, weights_only=True)["state_dict"]["w"], checkpoint(32)["state_dict"]["w"])
     assert checkpoints.verify(top_k).problem is None and checkpoints.verify(last).problem is None
