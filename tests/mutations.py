@@ -379,8 +379,8 @@ MUTANTS = [
            (rows("amp+recompute", "pipeline+recompute"),)),
     Mutant("resume-torch-generator-only", "runner", "resume restores torch's generator only (not numpy's, Python's, CUDA's)",
            "runner/rank/resume.py",
-           '_set_rng_states({**mine, "numpy": (name, keys.numpy().astype(np.uint32), *rest)})',
-           'torch.set_rng_state(mine["torch"])',
+           '_set_rng_states(restorable(own(self._loaded, "random generator states", rule)))',
+           'torch.set_rng_state(own(self._loaded, "random generator states", rule)["torch"])',
            (select("tests/test_resume.py", "user_model"),)),
     # Resume on another number of processes (issue 41): rank 0's state for every rank, silently.
     Mutant("world-change-rank-0s-average", "runner", "dgc and local SGD take rank 0's state on another number of processes",

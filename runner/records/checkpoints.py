@@ -38,6 +38,7 @@ MANIFEST_SUFFIX = ".manifest.json"
 _TMP_SUFFIX = ".lightfleet-tmp"  # removed at the next start (remove_leftovers)
 _OLD_SUFFIX = ".lightfleet-old"  # a directory replaced, until its successor is in place
 _CHUNK = 1 << 20
+_HASHED_ALONGSIDE_FROM = 16 << 20  # bytes: below, hashing (~0.5 ms a MB) costs a thread's start or little more
 
 
 class CheckpointNotWritten(Exception):
@@ -115,10 +116,7 @@ def save(path: Path, data: bytes, step: int, previous: Optional[Written] = None)
             if digest != previous.sha256 or not hard_linked(previous.path, tmp):
                 write_durably(tmp, data)
         else:
-            with ThreadPoolExecutor(1) as hasher:  # the digest while the bytes are written: both free the GIL
-                hashing = hasher.submit(lambda: hashlib.sha256(data).hexdigest())
-                write_durably(tmp, data)
-            digest = hashing.result()
+            digest = written_and_hashed(tmp, data)
         manifest = {"file": path.name, "bytes": len(data), "sha256": digest, "step": step}
         manifest_tmp.write_text(json.dumps(manifest, indent=1))  # lost in a crash, it reads as none
         os.replace(tmp, path)
@@ -129,6 +127,18 @@ def save(path: Path, data: bytes, step: int, previous: Optional[Written] = None)
         raise
     fsync_directory(path.parent)  # both renames survive a crash of the machine
     return Written(path, step, len(data), digest)
+
+
+def written_and_hashed(path: Path, data: bytes) -> str:
+    """`data` written durably into the new file `path`; its sha256, taken while the bytes are
+    written (both free the GIL) where there are enough of them to pay for a thread (~0.1 ms)."""
+    if len(data) < _HASHED_ALONGSIDE_FROM:
+        write_durably(path, data)
+        return hashlib.sha256(data).hexdigest()
+    with ThreadPoolExecutor(1) as hasher:
+        hashing = hasher.submit(lambda: hashlib.sha256(data).hexdigest())
+        write_durably(path, data)
+    return hashing.result()
 
 
 def hard_linked(source: Path, link: Path) -> bool:
