@@ -8,15 +8,14 @@ point. Two fsyncs: the manifest's bytes are not fsynced, so a machine crash may 
 unreadable manifest reads as none (the checkpoint, on the disk, loads unverified), never as a wrong
 one. Journaling filesystems and NFS keep the two renames in order; where a crash kept the
 manifest's and lost the file's, `verify` finds the old bytes and the checkpoint is refused, never
-trusted. A file with the
-very bytes of the one this process wrote just before (Lightning's top-k checkpoint and last.ckpt
-at one validation) is made a hard link of it: nothing written twice, and removing either name
-leaves the other whole. A checkpoint directory (torch's distributed checkpoint: sharding stages
-2/3, the pipeline) is written whole into a temporary directory beside it, then renamed into place
-(`commit_directory`; plugins/directory_checkpoint.py), then its manifest. A reader verifies the
-bytes against the manifest (`verify`); a checkpoint without one was not written by lightfleet and
-is only read as it is. runner/rank/checkpoint_io.py writes files through here; the command's
-preflight verifies.
+trusted. A file with the very bytes of the one this process wrote just before (Lightning's top-k
+checkpoint and last.ckpt at one validation) is made a hard link of it: nothing written twice, and
+removing either name leaves the other whole. A checkpoint directory (torch's distributed
+checkpoint: sharding stages 2/3, the pipeline) is written whole into a temporary directory beside
+it, then renamed into place (`commit_directory`; plugins/directory_checkpoint.py), then its
+manifest. A reader verifies the bytes against the manifest (`verify`); a checkpoint without one
+was not written by lightfleet and is only read as it is. runner/rank/checkpoint_io.py writes files
+through here; the command's preflight verifies.
 """
 from __future__ import annotations
 
