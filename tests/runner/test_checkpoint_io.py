@@ -2,8 +2,9 @@
 issue 43): Lightning's ModelCheckpoint saves the top-k file and last.ckpt at every validation, the
 same bytes twice; lightfleet wrote and fsynced both, each with its manifest, 4 fsyncs a file, so a
 quickstart checkpoint cost 2.17 ms against Lightning's 1.26. Now the second is a hard link of the
-first and a file costs 2 fsyncs (a link 1), on the real filesystem of the test's directory; a
-process killed by SIGKILL mid-save leaves only checkpoints that verify, and last.ckpt."""
+first and a file costs 2 fsyncs (a link 1), on the real filesystem of the test's directory, and
+the guard checks the weights once for both; a process killed by SIGKILL mid-save leaves only
+checkpoints that verify, and last.ckpt."""
 from __future__ import annotations
 
 import os
@@ -15,10 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from pytorch_lightning.callbacks import ModelCheckpoint
 
+from runner.data import SyntheticClassificationData
+from runner.models import MLPClassifier
 from runner.rank.checkpoint_io import AtomicCheckpointIO
+from runner.rank.parent import SIGNALS
+from runner.rank.preemption import Preemption
 from runner.rank.resume import restorable, storable
 from runner.records import checkpoints
 from tests.helpers.commands import PROJECT_ROOT, command_env
@@ -80,6 +87,25 @@ def test_other_bytes_of_the_same_step_are_written_and_replace_the_link_not_its_t
     # The newest step's files, last.ckpt first among the hard links of one step (the one resume reads).
     io.save_checkpoint(checkpoint(48), last)
     assert list(checkpoints.intact(tmp_path)) == [last, tmp_path / "epoch=1-step=48.ckpt", top_k]
+
+
+def test_the_guard_checks_the_weights_once_a_step_not_before_each_of_its_two_files(tmp_path):
+    preemption = Preemption()
+    checked = []
+    check = preemption.guard.check
+    preemption.guard.check = lambda trainer, module: (checked.append(trainer.global_step), check(trainer, module))
+    handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # Preemption takes them during fit
+    try:
+        pl.Trainer(accelerator="cpu", devices=1, max_steps=6, num_sanity_val_steps=0, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                   callbacks=[preemption, ModelCheckpoint(dirpath=tmp_path, save_last=True)], default_root_dir=tmp_path,
+                   ).fit(MLPClassifier(), datamodule=SyntheticClassificationData(num_train=192, num_val=64))
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    # Validated at steps 3 and 6 (3 batches of 64 an epoch), each writing two files; fit's end checks once more.
+    assert sorted(path.name for path in tmp_path.glob("*.ckpt")) == ["epoch=1-step=6.ckpt", "last.ckpt"]
+    assert checked == [3, 6, 6]  # it was [3, 3, 6, 6, 6]
 
 
 def test_pythons_generator_state_is_one_tensor_in_a_checkpoint_and_a_tuple_from_before_restores(tmp_path):
