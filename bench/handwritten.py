@@ -8,14 +8,17 @@ Its validation cadence is the quickstart's (trainer.val_check_interval: 16), so 
 the same work; --progress-bar keeps Lightning's default bar on, as a user's script has it.
 """
 import argparse
+import sys
+from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
-from runner.data import SyntheticClassificationData
-from runner.models import MLPClassifier
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runner/ when lightfleet is not installed
+from runner.data import SyntheticClassificationData  # noqa: E402
+from runner.models import MLPClassifier  # noqa: E402
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def __init__(self) -> None:
         super().__init__()
         self._cleaned: Set[Path] = set()  # directories whose leftovers are removed already
+        self._written: Optional[checkpoints.Written] = None  # the last file saved, which the same bytes link to
 
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -34,7 +35,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         try:
-            checkpoints.save(path, buffer.getbuffer(), int(checkpoint.get("global_step", -1)))
+            self._written = checkpoints.save(path, buffer.getbuffer(), int(checkpoint.get("global_step", -1)),
+                                             self._written)
         except OSError as error:
             if not checkpoints.is_full_disk(error):
                 raise

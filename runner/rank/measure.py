@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from plugins.ranks import gather
 from runner.core.clock import started_at
+from runner.rank.hooks import OwnHooksOnly
 
 # Dense peak FLOP/s of GPUs Lightning's table (lightning_fabric.utilities.throughput) lacks or
 # names ambiguously: the H200 ("NVIDIA H200") and the L40S (which Lightning reads as an L4).
@@ -209,7 +210,7 @@ class RankFigures:
     device_gaps: Optional[List[float]] = None  # per measured step, the device's idle time between batches (CUDA)
 
 
-class LastValidation(pl.Callback):
+class LastValidation(OwnHooksOnly):
     """The global step of fit's last validation (a sanity check is none): the step the run's
     val_* figures come from, which is not the last step unless validation ran there."""
 
@@ -222,7 +223,7 @@ class LastValidation(pl.Callback):
             self.step = trainer.global_step
 
 
-class RunMeter(pl.Callback):
+class RunMeter(OwnHooksOnly):
     """Measures optimizer-step time, samples, tokens and peak memory on every rank; logs them
     every `log_every_n_steps` (samples/s and tokens/s in the progress bar) and leaves the run's
     figures in `summary` (on every rank) when training ends."""

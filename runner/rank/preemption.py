@@ -29,6 +29,7 @@ import pytorch_lightning as pl
 import torch
 
 from runner.rank.divergence import Diverged, NonFiniteGuard, diverged
+from runner.rank.hooks import OwnHooksOnly
 from runner.rank.parent import COMMAND_PID, SIGNALS, exit_status
 from runner.rank.progress import logging_step
 from runner.records.files import LAST_CHECKPOINT
@@ -45,7 +46,7 @@ class Preempted(SystemExit):
         self.signum, self.step = signum, step
 
 
-class Preemption(pl.Callback):
+class Preemption(OwnHooksOnly):
     """Checkpoint at the step a preemption signal arrives in, on every rank alike; and, with
     `stop_on_nonfinite`, stop where the loss or a parameter became non-finite (Diverged)."""
 
@@ -56,6 +57,7 @@ class Preemption(pl.Callback):
         self.guard = NonFiniteGuard() if stop_on_nonfinite else None
         self.diverged_at = 0  # the first step with a non-finite loss, once read
         self.last_step = -1
+        self.checked_step = -1  # the step whose weights the guard last found finite before a checkpoint
         self._vote: Optional[Vote] = None  # the vote under way
 
     def note(self, signum: int, _frame: Any = None) -> None:
@@ -88,9 +90,11 @@ class Preemption(pl.Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
         # Called on every rank before anything is written (Lightning calls the checkpoint callbacks'
         # save after this callback's step hooks): a checkpoint with non-finite weights never replaces
-        # a good one. Not called for a ModelCheckpoint's save_weights_only files.
-        if self.guard is not None:
+        # a good one. Not called for a ModelCheckpoint's save_weights_only files. Once a step: the
+        # weights are those of its optimizer step until the next (the top-k file and last.ckpt).
+        if self.guard is not None and trainer.global_step != self.checked_step:
             self.guard.check(trainer, pl_module)
+            self.checked_step = trainer.global_step
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A rank of several that fails waits FAILURE_GRACE_S before it goes on to report, ending at

@@ -21,10 +21,11 @@ from typing_extensions import override
 
 from plugins.ranks import Rule, gather, own
 from runner.data.order import GlobalOrder, Position, run_seed
+from runner.rank.hooks import OwnHooksOnly
 from runner.records.run_dir import RECORD
 
 
-class RandomStates(pl.Callback):
+class RandomStates(OwnHooksOnly):
     """Every rank's torch, CUDA, numpy and Python random generators, saved with each checkpoint
     and restored when training starts from one: a resumed run draws the dropout masks, the noise
     and the augmentations the uninterrupted run would have drawn.
@@ -50,17 +51,27 @@ class RandomStates(pl.Callback):
             seed, step = run_seed(), trainer.global_step
             rule = Rule(f"each rank's are re-derived from (seed {seed}, step {step}, rank)",
                         lambda ranks, rank: rederived(seed, step, rank))
-            mine = own(self._loaded, "random generator states", rule)
-            name, keys, *rest = mine["numpy"]
-            _set_rng_states({**mine, "numpy": (name, keys.numpy().astype(np.uint32), *rest)})
+            _set_rng_states(restorable(own(self._loaded, "random generator states", rule)))
             self._loaded = None
 
 
 def storable(states: Dict[str, Any]) -> Dict[str, Any]:
     """Lightning's generator states as a checkpoint holds them: numpy's key array as a tensor
-    (checkpoints load with weights_only, which refuses arrays)."""
+    (checkpoints load with weights_only, which refuses arrays), and Python's 625 numbers as one
+    (pickled one by one, they made every checkpoint ~0.1 ms slower to write)."""
     name, keys, *rest = states.pop("numpy")
-    return {**states, "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest)}
+    version, internal, gauss = states.pop("python")
+    return {**states, "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest),
+            "python": (version, torch.tensor(internal, dtype=torch.int64), gauss)}
+
+
+def restorable(states: Dict[str, Any]) -> Dict[str, Any]:
+    """`storable`'s states as Lightning sets them (Python's a tuple in checkpoints written before)."""
+    name, keys, *rest = states["numpy"]
+    version, internal, gauss = states["python"]
+    if isinstance(internal, torch.Tensor):
+        internal = tuple(internal.tolist())
+    return {**states, "numpy": (name, keys.numpy().astype(np.uint32), *rest), "python": (version, internal, gauss)}
 
 
 def rederived(seed: int, step: int, rank: int) -> Dict[str, Any]:
@@ -74,7 +85,7 @@ def rederived(seed: int, step: int, rank: int) -> Dict[str, Any]:
     return storable(_collect_rng_states(include_cuda=torch.cuda.is_available()))
 
 
-class GlobalPosition(pl.Callback):
+class GlobalPosition(OwnHooksOnly):
     """Where a checkpoint stands, for a resume on any number of processes: every checkpoint gets
     a `lightfleet` record of the world it was written on, its global batch (micro-batch and
     accumulation) and its position in the epoch as samples of the epoch's global order

@@ -1,14 +1,21 @@
 """Checkpoints written whole or not at all, and verified before they are used.
 
-A checkpoint file is written to a temporary name in its own directory, flushed and fsynced, renamed
-into place (`os.replace`: atomic within one directory on a local POSIX filesystem and NFS), and
-the directory fsynced. A checkpoint directory (torch's distributed checkpoint: sharding stages 2/3,
-the pipeline) is written whole into a temporary directory beside it, then renamed into place
-(`commit_directory`; plugins/directory_checkpoint.py). Then its manifest, `<name>.manifest.json`
-beside it (each file's size and sha256, the step), is written the same way: the manifest is the
-commit point. A reader verifies the bytes against it (`verify`); a checkpoint without one was not
-written by lightfleet and is only read as it is. runner/rank/checkpoint_io.py writes files through
-here; the command's preflight verifies.
+A checkpoint file is written to a temporary name in its own directory and fsynced, its manifest,
+`<name>.manifest.json` beside it (the file's size and sha256, the step), to another; both are
+renamed into place in that order (`os.replace`: atomic within one directory on a local POSIX
+filesystem and NFS) and the directory fsynced once for both (`save`): the manifest is the commit
+point. Two fsyncs: the manifest's bytes are not fsynced, so a machine crash may lose them, and an
+unreadable manifest reads as none (the checkpoint, on the disk, loads unverified), never as a wrong
+one. Journaling filesystems and NFS keep the two renames in order; where a crash kept the
+manifest's and lost the file's, `verify` finds the old bytes and the checkpoint is refused, never
+trusted. A file with the very bytes of the one this process wrote just before (Lightning's top-k
+checkpoint and last.ckpt at one validation) is made a hard link of it: nothing written twice, and
+removing either name leaves the other whole. A checkpoint directory (torch's distributed
+checkpoint: sharding stages 2/3, the pipeline) is written whole into a temporary directory beside
+it, then renamed into place (`commit_directory`; plugins/directory_checkpoint.py), then its
+manifest. A reader verifies the bytes against the manifest (`verify`); a checkpoint without one
+was not written by lightfleet and is only read as it is. runner/rank/checkpoint_io.py writes files
+through here; the command's preflight verifies.
 """
 from __future__ import annotations
 
@@ -24,16 +31,28 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 from runner.core.world import alive
+from runner.records.files import LAST_CHECKPOINT
 
 MANIFEST_SUFFIX = ".manifest.json"
 _TMP_SUFFIX = ".lightfleet-tmp"  # removed at the next start (remove_leftovers)
 _OLD_SUFFIX = ".lightfleet-old"  # a directory replaced, until its successor is in place
 _CHUNK = 1 << 20
+_HASHED_ALONGSIDE_FROM = 16 << 20  # bytes: below, hashing (~0.5 ms a MB) costs a thread's start or little more
 
 
 class CheckpointNotWritten(Exception):
     """A checkpoint that could not be written (a full disk): its message is the run's one line,
     with no traceback (the log may be on the same full disk)."""
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint file `save` wrote: the next save of the same bytes links to it."""
+
+    path: Path
+    step: int
+    bytes: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -58,15 +77,20 @@ def write_atomically(path: Path, data: bytes) -> None:
     it reached the disk; a failed write removes its temporary file."""
     tmp = temporary(path)
     try:
-        with open(tmp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
+        write_durably(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)  # the rename itself survives a crash of the machine
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """`data` into a new file `path`, on the disk when this returns (flushed and fsynced)."""
+    with open(path, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def fsync_directory(directory: Path) -> None:
@@ -77,16 +101,55 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def save(path: Path, data: bytes, step: int) -> None:
-    """A checkpoint's bytes at `path`, then its manifest, the commit point. The previous manifest
-    goes first: a crash between the two leaves a file without one, read as unverified, never a
-    manifest that does not match its file."""
+def save(path: Path, data: bytes, step: int, previous: Optional[Written] = None) -> Written:
+    """A checkpoint's bytes at `path`, then its manifest, the commit point; a hard link of
+    `previous` (the file this process wrote last) where the bytes are the same. The previous
+    manifest goes first: a crash before the new one is in place leaves a file without one, read as
+    unverified, never a manifest that does not match its file. Two fsyncs: the file's bytes (none
+    for a link: they are on the disk already) and the directory, for both renames."""
     manifest_path(path).unlink(missing_ok=True)
-    with ThreadPoolExecutor(1) as hasher:  # the digest while the bytes are written and fsynced: both free the GIL
-        digest = hasher.submit(lambda: hashlib.sha256(data).hexdigest())
-        write_atomically(path, data)
-    manifest = {"file": path.name, "bytes": len(data), "sha256": digest.result(), "step": step}
-    write_atomically(manifest_path(path), json.dumps(manifest, indent=1).encode())
+    tmp, manifest_tmp = temporary(path), temporary(manifest_path(path))
+    try:
+        if previous is not None and (previous.step, previous.bytes) == (step, len(data)) and previous.path != path:
+            digest = hashlib.sha256(data).hexdigest()  # first: when it matches, nothing is written
+            if digest != previous.sha256 or not hard_linked(previous.path, tmp):
+                write_durably(tmp, data)
+        else:
+            digest = written_and_hashed(tmp, data)
+        manifest = {"file": path.name, "bytes": len(data), "sha256": digest, "step": step}
+        manifest_tmp.write_text(json.dumps(manifest, indent=1))  # lost in a crash, it reads as none
+        os.replace(tmp, path)
+        os.replace(manifest_tmp, manifest_path(path))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        manifest_tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)  # both renames survive a crash of the machine
+    return Written(path, step, len(data), digest)
+
+
+def written_and_hashed(path: Path, data: bytes) -> str:
+    """`data` written durably into the new file `path`; its sha256, taken while the bytes are
+    written (both free the GIL) where there are enough of them to pay for a thread (~0.1 ms)."""
+    if len(data) < _HASHED_ALONGSIDE_FROM:
+        write_durably(path, data)
+        return hashlib.sha256(data).hexdigest()
+    with ThreadPoolExecutor(1) as hasher:
+        hashing = hasher.submit(lambda: hashlib.sha256(data).hexdigest())
+        write_durably(path, data)
+    return hashing.result()
+
+
+def hard_linked(source: Path, link: Path) -> bool:
+    """Whether `link` could be made a hard link of `source`: not where the file is gone or the
+    filesystem has no hard links (the caller then writes the bytes). A full disk is raised."""
+    try:
+        os.link(source, link)
+    except OSError as error:
+        if is_full_disk(error):
+            raise
+        return False
+    return True
 
 
 def commit_directory(written: Path, path: Path, step: int) -> None:
@@ -156,7 +219,10 @@ def verify(checkpoint: Path) -> Verdict:
 def intact(directory: Path) -> Iterator[Path]:
     """The verified checkpoints in `directory` (those with a manifest), newest step first."""
     made = [(manifest, path) for path in directory.glob("*.ckpt") if (manifest := read_manifest(path)) is not None]
-    for _, path in sorted(made, key=lambda item: (item[0]["step"], item[1].stat().st_mtime), reverse=True):
+    # last.ckpt first among files of one step and time (hard links of each other): the one resume reads
+    last = Path(LAST_CHECKPOINT).name
+    for _, path in sorted(made, key=lambda item: (item[0]["step"], item[1].stat().st_mtime, item[1].name == last),
+                          reverse=True):
         if verify(path).problem is None:
             yield path
 
