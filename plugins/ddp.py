@@ -13,9 +13,14 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from pytorch_lightning.strategies import DDPStrategy
+from torch import nn
 from typing_extensions import override
 
+<<<<<<< HEAD
 from plugins import traffic
+=======
+from plugins.rehearsal import data_parallel, rehearsing
+>>>>>>> i42-rank
 
 # Called once the process group exists (hook states may create subgroups): returns (state, hook).
 HookFactory = Callable[[], Tuple[Any, Callable]]
@@ -32,6 +37,16 @@ class FleetDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self._make_comm_hook = comm_hook
         self.comm_hook_state: Any = None
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if rehearsing():  # DDP's C++ reducer cannot run on fake tensors: its buckets and hook in Python
+            return data_parallel(model, **self._ddp_kwargs)
+        return super()._setup_model(model)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if rehearsing() else super().broadcast(obj, src)  # plugins/rehearsal.py: no objects in a fake world
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -20,13 +20,13 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from plugins import pipeline_checkpoint, traffic
 from plugins.ddp import process_group_timeout
 from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.pipeline_split import in_eval_mode, keep_only_stages, stage_ranks, stage_split_points, traced_stages
+from plugins.rehearsal import data_parallel, real_tensors
 from plugins.sharding import layout_mesh, shard_strategy_optimizers
 from plugins.transforms import ModelContext
 from runner.core.errors import ConfigError
@@ -170,8 +170,9 @@ class PipelineStrategy(WholeCheckpointStrategy):
 
     def _example_micro_batch(self, trainer: pl.Trainer) -> torch.Tensor:
         """The first micro-batch of the first training batch: the stages' shapes are static."""
-        # Reading ahead must not change the order training then reads the data in.
-        with torch.random.fork_rng(devices=[]):
+        # Reading ahead must not change the order training then reads the data in; the loader's
+        # tensors are real ones in a rehearsal too (its sampler draws a seed).
+        with torch.random.fork_rng(devices=[]), real_tensors():
             inputs, _ = _inputs_and_targets(next(iter(trainer.fit_loop._data_source.dataloader())))
         return inputs[: self.micro_batch_size].to(self.root_device)
 
@@ -257,7 +258,7 @@ def _replicate(stage: Any, group: dist.ProcessGroup) -> None:
     """Wrap the stage's module in DDP over `group`: the stage runs it without gradient sync but
     at its last micro-batch's backward, so gradients are averaged over the replicas once a step."""
     traced = stage.submod
-    stage.submod = DistributedDataParallel(traced, process_group=group)
+    stage.submod = data_parallel(traced, process_group=group)
     if traffic.counting():
         stage.submod.register_comm_hook(group, traffic.counted_allreduce_hook)
     stage.submod.graph = traced.graph  # which the stage reads for its p2p metadata at the first step

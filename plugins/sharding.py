@@ -29,18 +29,21 @@ from plugins.directory_checkpoint import WholeCheckpointStrategy
 from plugins.fast_path import constructor_defaults
 from plugins.layerwise import NO_WEIGHT_DECAY
 from plugins.modules import float_buffer_modules, repeated_block_list
+from plugins.rehearsal import real_tensors
 from plugins.transforms import ModelContext
 from runner.core.world import Layout
 
 
 def layout_mesh(device_type: str, layout: Layout, dims: Tuple[str, ...]) -> DeviceMesh:
     """The processes' device mesh over `dims` of the layout (the plan checked the degrees' product);
-    the other dims must have size 1. Fewer dims, fewer process groups to create."""
+    the other dims must have size 1. Fewer dims, fewer process groups to create. Made on real
+    tensors in a rehearsal: the mesh's creation runs a data-dependent op that fake ones cannot."""
     sizes = layout.to_dict()
     left_out = {dim: size for dim, size in sizes.items() if dim not in dims and size > 1}
     if left_out:
         raise ValueError(f"a mesh over {dims} cannot lay out {left_out}")
-    return init_device_mesh(device_type, tuple(sizes[dim] for dim in dims), mesh_dim_names=dims)
+    with real_tensors():
+        return init_device_mesh(device_type, tuple(sizes[dim] for dim in dims), mesh_dim_names=dims)
 
 
 # --------------------------------------------------------------------------- stage 1
@@ -213,8 +216,11 @@ def shard_parameters(module: nn.Module, context: ModelContext, reshard_after_for
     param_dtype = None
     if isinstance(precision, MixedPrecision):
         param_dtype = torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
-    units = apply_fsdp(module, strategy.device_mesh[dims], reshard_after_forward, segment_broadcast_MB * 2 ** 20,
-                       param_dtype, optimize_offload)
+    # On tensor-parallel parameters FSDP2 joins the meshes, which fake tensors cannot (a rehearsal's
+    # parameters stay fake: what fully_shard makes of them is made from them).
+    with real_tensors():
+        units = apply_fsdp(module, strategy.device_mesh[dims], reshard_after_forward, segment_broadcast_MB * 2 ** 20,
+                           param_dtype, optimize_offload)
     return ["+".join(names) for names in units]
 
 

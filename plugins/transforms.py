@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from plugins.rehearsal import to_device
+
 Transform = Tuple[Callable[..., List[str]], Dict[str, Any]]  # (function, its knobs)
 
 
@@ -53,7 +55,7 @@ def transform_in_configure_model(model: nn.Module, transforms: Sequence[Transfor
             return
         strategy = model.trainer.strategy
         # Transforms see the model where it trains: the pipeline traces it there, FSDP shards it from there.
-        model.to(strategy.root_device)
+        to_device(model, strategy.root_device)
         changed = apply_transforms(ModelContext(model, strategy), transforms)
         done.append(True)
         if applied is not None:

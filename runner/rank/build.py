@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from plugins import collective
+from plugins.rehearsal import on_meta_while_fake
 from plugins.transforms import ModelContext, Transform, apply_transforms, transform_in_configure_model
 from runner.config.arguments import check_arguments
 from runner.core import world
@@ -69,7 +70,8 @@ def instantiate_checked(key: str, node: DictConfig) -> Any:
 def build(cfg: DictConfig, plan: Plan, run_dir: Path) -> Built:
     """`cfg`: the run's config as the command checked and saved it (config.yaml); nothing is checked again."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    model = instantiate_checked("model", cfg.model)
+    with on_meta_while_fake():  # a rehearsal's model: its parameters made later, fake (plugins/rehearsal.py)
+        model = instantiate_checked("model", cfg.model)
     datamodule = instantiate_checked("data", cfg.data)
 
     # What carries out each collective knob, for build.yaml (the plan holds what it applies).

@@ -1,0 +1,403 @@
+"""The rehearsal's one adapter for torch's private API (issue 42): a fake world of N processes
+(torch's fake process group), fake tensors (FakeTensorMode: shapes, dtypes and devices without
+memory or arithmetic), and what counts a rehearsed step (torch.distributed._tools' memory
+tracker; a dispatch mode counting collectives, FLOPs and memory traffic).
+
+Everything private lives here, as Hydra's does in runner/config/hydra_api.py:
+tests/plugins/test_rehearsal.py fails loudly, naming the import, when torch moves one of them.
+The real code's hooks ask this module (`real_tensors`, `on_meta_while_fake`, `to_device`) and are
+no-ops outside a rehearsal.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# --- torch's private API: every name a rehearsal uses, imported here and nowhere else.
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch._C._distributed_c10d import _create_work_from_future  # noqa: E402
+from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from torch.utils.flop_counter import flop_registry  # noqa: E402
+
+# The contract's op names (docs/rehearse.md) for the c10d ops and the functional collectives.
+COLLECTIVES = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "allgather_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "reduce_": "reduce",
+}
+# The tensor argument whose bytes are the payload this rank contributes (the contract's: what it
+# sends; for an all-gather its input, for a reduce-scatter its input): by the op's schema name.
+PAYLOAD_ARGUMENTS = ("tensors", "input_tensors", "input", "inputs", "input_tensor", "tensor")
+
+
+def join_fake_world(rank: int, world_size: int) -> None:
+    """This process as `rank` of a fake process group of `world_size`: every collective returns at
+    once, nothing is sent (Lightning then skips its own init_process_group)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[FakeTensorMode]:
+    """The mode a rehearsal runs in: tensors made inside are fake; real ones (a batch read from a
+    file) are taken in as they come. Compiled code runs eagerly (torch.compile cannot compile
+    over fake tensors of another mode)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.compiler.set_stance("force_eager"):
+        yield mode
+
+
+def rehearsing() -> bool:
+    """Whether fake tensors are on (the hooks below do nothing otherwise). The strategies' object
+    broadcasts then hand every rank its own object: the fake group carries no data, and what
+    Lightning broadcasts (a directory's name, a checkpoint's path) is the same on every rank."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def real_tensors() -> contextlib.AbstractContextManager:
+    """Fake tensors off for a while: device meshes (their creation runs a data-dependent op), the
+    model's construction, reading the batch. A no-op outside a rehearsal."""
+    return unset_fake_temporarily()
+
+
+@contextlib.contextmanager
+def on_meta_while_fake() -> Iterator[None]:
+    """Build the model on the meta device outside fake mode when rehearsing: a module made inside
+    holds fake parameters that cannot be moved (fake mode keeps weak references to them)."""
+    if not rehearsing():
+        yield
+        return
+    with real_tensors(), torch.device("meta"):
+        yield
+
+
+def to_device(module: nn.Module, device: torch.device) -> None:
+    """`module.to(device)`; a meta model (a rehearsal's) gets fresh, empty tensors there instead,
+    and stays there: Lightning's later moves of it (to the strategy's device at setup, to the CPU
+    at teardown) are no-ops, since torch swaps a fake parameter for its moved copy and refuses
+    once fake mode has seen it (a weak reference), and one fake device stands for all."""
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module.to_empty(device=device)
+        module._apply = lambda fn, recurse=True: module
+    else:
+        module.to(device)
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+class CompletedWork(TorchDispatchMode):
+    """The fake process group's asynchronous collectives made to complete with their tensors, as a
+    real backend's do: its works' futures hold no value, and DDP communication hooks (fp16, DGC,
+    post-local SGD) read theirs (`fut.value()[0]`)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 \
+                and isinstance(out[1], torch.ScriptObject):  # (tensors, work)
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(out[0])
+            return out[0], _create_work_from_future(future).boxed()
+        return out
+
+
+class Bucket:
+    """What a DDP communication hook reads of torch's GradBucket."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, parameters: List[torch.Tensor], last: bool) -> None:
+        self._index, self._buffer, self._parameters, self._last = index, buffer, parameters, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def parameters(self) -> List[torch.Tensor]:
+        return self._parameters
+
+    def gradients(self) -> List[torch.Tensor]:
+        return [p.grad for p in self._parameters]
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def data_parallel(module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
+    """DistributedDataParallel(module, **kwargs), a RehearsedDDP in a rehearsal."""
+    return (RehearsedDDP if rehearsing() else DistributedDataParallel)(module, **kwargs)
+
+
+class _NoReducer:
+    """What callers of DDP's reducer ask of it before a synchronised backward: nothing to do here."""
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        pass
+
+
+FIRST_BUCKET_MB = 1  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
+
+
+class RehearsedDDP(DistributedDataParallel):
+    """DistributedDataParallel as a rehearsal runs it (DDP's C++ reducer cannot run on fake
+    tensors): the same buckets (parameters in reverse order, each closed once it holds DDP's first
+    bucket's 1 MB, then `bucket_cap_mb`; a flat buffer each, a second copy of the gradients unless
+    `gradient_as_bucket_view`, held as buffers so that the tracker counts them), reduced once a
+    synchronised backward has made the gradients, each through the registered communication hook
+    (DDP's all-reduce of the average by default). DDP overlaps them with backward; the bytes and
+    collectives are the same. A DDP to whoever asks (Lightning's strategy, the pipeline's stages:
+    `no_sync` and the reducer's calls before a synchronised backward), built without DDP's own setup."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
+                 process_group: Any = None, **_: Any) -> None:
+        nn.Module.__init__(self)
+        self.module = module
+        self.process_group = process_group
+        self.require_backward_grad_sync = True
+        self.static_graph = self.find_unused_parameters = False
+        self.reducer = _NoReducer()
+        self.hook_state: Any = process_group
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        self.hook: Any = allreduce_hook
+        # DDP's assignment: a bucket closes once it holds its cap or more (one dtype a bucket).
+        self.buckets: List[List[nn.Parameter]] = []
+        cap, size = FIRST_BUCKET_MB * 2 ** 20, 0
+        for parameter in reversed([p for p in module.parameters() if p.requires_grad]):
+            if not self.buckets or size >= cap or self.buckets[-1][0].dtype != parameter.dtype:
+                cap = cap if not self.buckets else bucket_cap_mb * 2 ** 20
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(parameter)
+            size += parameter.nbytes
+        self.views = gradient_as_bucket_view
+        for index, parameters in enumerate(self.buckets):
+            flat = torch.empty(sum(p.numel() for p in parameters), dtype=parameters[0].dtype,
+                               device=parameters[0].device)
+            self.register_buffer(f"bucket_{index}", flat, persistent=False)
+            for parameter in parameters:
+                parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+        self._queued = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        self.hook_state, self.hook = state, hook
+
+    def _get_ddp_logging_data(self) -> Dict[str, Any]:
+        return {}
+
+    def _gradient_ready(self, parameter: torch.Tensor) -> None:
+        if self.require_backward_grad_sync and not self._queued:  # once per backward, at its end
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def _reduce(self) -> None:
+        self._queued = False
+        with CompletedWork():
+            for index, parameters in enumerate(self.buckets):
+                flat = getattr(self, f"bucket_{index}")
+                offset = 0
+                for parameter in parameters:
+                    size = parameter.numel()
+                    if parameter.grad is not None:
+                        flat[offset:offset + size].copy_(parameter.grad.reshape(-1))
+                    offset += size
+                reduced = self.hook(self.hook_state, Bucket(index, flat, parameters, index == len(self.buckets) - 1))
+                flat = reduced.wait()
+                offset = 0
+                for parameter in parameters:
+                    if parameter.grad is not None:
+                        view = flat[offset:offset + parameter.numel()].view_as(parameter)
+                        parameter.grad = view if self.views else parameter.grad.copy_(view)
+                    offset += parameter.numel()
+
+
+# --------------------------------------------------------------------------- memory
+
+
+MEMORY_PARTS = {  # the report's part -> MemTracker's categories
+    "parameters": ("Parameter",),
+    "gradients": ("Gradient",),
+    "optimizer_states": ("Optstate",),
+    "activations": ("Activation",),
+    "temporaries": ("Temp", "Other"),
+    "buffers": ("Buffer",),
+}
+
+
+class MemoryTracking:
+    """torch's MemTracker over a `with` block: every tensor's bytes by category (parameters, FSDP2's
+    gathered ones included; gradients; optimizer states; activations; temporaries; buffers). What
+    exists already (parameters, gradients, optimizer states; a ZeroRedundancyOptimizer's are its
+    local optimizer's) is counted from the start. Not FSDPMemTracker: it changes what FSDP2 does
+    for a unit of several modules (a gather per module instead of one per unit, torch 2.14). The
+    tracker refuses a module's second forward in one iteration, which micro-batches make
+    (accumulation, a pipeline's schedule): each forward outside backward starts its module's
+    statistics afresh, folded into each part's peak first."""
+
+    def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> None:
+        self.tracker = MemTracker()
+        self.tracker.track_external(model, *(getattr(optimizer, "optim", optimizer) for optimizer in optimizers))
+        self._stack = contextlib.ExitStack()
+        self._peaks: Dict[str, int] = dict.fromkeys(MEMORY_PARTS, 0)  # each part's most, over the snapshots
+
+    def _fold(self, snapshot_lists: Any) -> None:
+        """Each part's peak over the tracker's snapshots (taken at every module's forward and backward)."""
+        for snapshots in snapshot_lists:
+            for snapshot in snapshots:
+                parts = self._parts(snapshot)
+                for part in MEMORY_PARTS:
+                    self._peaks[part] = max(self._peaks[part], parts[part])
+
+    @staticmethod
+    def _parts(snapshot: Dict[Any, Dict[Any, int]]) -> Dict[str, int]:
+        by_category: Dict[str, int] = defaultdict(int)
+        for per_device in snapshot.values():
+            for category, size in per_device.items():
+                by_category[getattr(category, "value", category)] += size
+        return {part: sum(by_category.get(name, 0) for name in names) for part, names in MEMORY_PARTS.items()}
+
+    def _afresh(self, module: nn.Module, args: Any) -> None:
+        if not self.tracker._mod_tracker.is_bw and module in self.tracker.memory_tracking:
+            self._fold(self.tracker.memory_tracking.pop(module).snapshots.values())
+
+    def __enter__(self) -> "MemoryTracking":
+        # Registered before the tracker's own global hooks, so it runs first.
+        self._stack.callback(nn.modules.module.register_module_forward_pre_hook(self._afresh).remove)
+        self._stack.enter_context(self.tracker)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+        self._fold(snapshots for stats in self.tracker.memory_tracking.values()
+                   for snapshots in stats.snapshots.values())
+        self._fold([[self.tracker.get_tracker_snapshot("peak"), self.tracker.get_tracker_snapshot()]])
+
+    def peak(self) -> int:
+        return sum(per_device["Total"] for per_device in self.tracker.get_tracker_snapshot("peak").values())
+
+    def parts(self) -> Dict[str, int]:
+        """Each part's peak over the block (bytes, all devices), and the peak of their sum."""
+        return {**self._peaks, "step_peak": self.peak()}
+
+
+def zero_shares(optimizer: Any) -> List[int]:
+    """The parameter bytes of each rank's share of a ZeroRedundancyOptimizer's partition (whole
+    tensors; every rank knows the whole partition), in the order of its group's ranks."""
+    return [sum(p.numel() * p.element_size() for group in groups for p in group["params"])
+            for groups in optimizer._partition_parameters()]
+
+
+def host_shard_bytes(model: nn.Module) -> int:
+    """Bytes of the parameter shards FSDP2 keeps in host memory (its CPU offload; 0 without):
+    read off FSDP2's parameter groups, which say where their shards live."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in [module._get_fsdp_state()._fsdp_param_group]}  # a unit's modules share one
+    return sum(fsdp_param.sharded_param._local_tensor.nbytes for group in groups.values()
+               if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+               for fsdp_param in group.fsdp_params)
+
+
+# --------------------------------------------------------------------------- what a step does
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts, while on, every op of this rank: the payload bytes of each collective by (op, group),
+    FLOPs by dtype (torch's FLOP formulas), and the bytes ops read and write (views move none).
+    It sees every collective of the fake world: the c10d ops under torch.distributed's calls
+    (DDP, ZeroRedundancyOptimizer, FSDP2, pipeline send/recv) and the functional collectives
+    (DTensor, tensor parallel), whichever strategy makes them."""
+
+    def __init__(self, ranks_per_node: int) -> None:
+        super().__init__()
+        self.ranks_per_node = ranks_per_node
+        self.collectives: Dict[Tuple[str, int, int], List[int]] = defaultdict(lambda: [0, 0])  # -> [calls, bytes]
+        self.flops: Dict[str, int] = defaultdict(int)
+        self.memory_traffic = 0
+        self.weight = 1  # how many times what runs now counts: micro-batches alike, run once (runner/rank/rehearse.py)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if func.namespace in ("c10d", "_c10d_functional") and name in COLLECTIVES:
+            self._collective(func, COLLECTIVES[name], args, kwargs)
+        elif func.namespace == "aten" and not func.is_view:
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.memory_traffic += self.weight * sum(t.numel() * t.element_size() for t in tensors)
+            if func.overloadpacket in flop_registry:
+                dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+                self.flops[str(dtype).replace("torch.", "")] += self.weight * flop_registry[func.overloadpacket](
+                    *args, **kwargs, out_val=out)
+        return out
+
+    def _collective(self, func: Any, op: str, args: tuple, kwargs: dict) -> None:
+        named = {argument.name: value for argument, value in zip(func._schema.arguments, args)}
+        named.update(kwargs)
+        group = named.get("process_group", named.get("group_name"))
+        group = _resolve_process_group(group) if isinstance(group, str) else dist.ProcessGroup.unbox(group)
+        ranks = dist.get_process_group_ranks(group)
+        payload = next(named[key] for key in PAYLOAD_ARGUMENTS if key in named)
+        counted = self.collectives[(op, len(ranks), len({rank // self.ranks_per_node for rank in ranks}))]
+        counted[0] += self.weight
+        counted[1] += self.weight * sum(t.numel() * t.element_size() for t in tree_leaves(payload)
+                                        if isinstance(t, torch.Tensor))
+
+    def collective_rows(self) -> List[Dict[str, Any]]:
+        return [{"op": op, "group_size": size, "nodes": nodes, "calls": calls, "bytes": size_bytes}
+                for (op, size, nodes), (calls, size_bytes) in sorted(self.collectives.items())]
+
+
+# --------------------------------------------------------------------------- a CUDA device's rules
+
+
+# CUDA autocast's float32 list, where the CPU's differs (torch's autocast_mode.cpp: CUDA's fp32
+# ops; the CPU keeps these in bfloat16): a model planned for a GPU on a CPU must follow CUDA's.
+CUDA_FLOAT32 = {F.softmax, F.log_softmax, F.layer_norm, F.group_norm, torch.softmax, torch.log_softmax,
+                torch.pow, torch.Tensor.pow, torch.exp, torch.log, torch.rsqrt, torch.Tensor.softmax,
+                torch.Tensor.log_softmax}
+
+
+class CudaRulesOnCpu(TorchFunctionMode):
+    """CPU fake tensors computing as a GPU would (fake CUDA tensors cannot carry a whole build on a
+    machine without one: FSDP2 asks CUDA for its current device, autograd for its streams):
+    scaled-dot-product attention as the fused kernel a GPU runs, keeping no sequence x sequence
+    matrix (plugins/auto.py's `fused_attention`), and under autocast CUDA's float32 ops in float32."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        from plugins.auto import fused_attention
+
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return fused_attention(*args, **kwargs)
+        if func in CUDA_FLOAT32 and torch.is_autocast_enabled("cpu"):
+            as_float = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            with torch.autocast("cpu", enabled=False):
+                return func(*as_float, **kwargs)
+        return func(*args, **kwargs)

@@ -1,0 +1,219 @@
+"""The rehearsal's adapter (plugins/rehearsal.py), the one module using torch's private API for a
+fake world: a test that fails loudly, naming the name, when torch moves what it uses; fake tensors
+and the hooks the real build asks; what the step counter counts (FLOPs by dtype, memory traffic,
+collectives by group and nodes); DDP's buckets and hooks on the fake group; a CUDA device's rules
+on CPU fake tensors. In-process: a fake process group starts no process (one per test, destroyed)."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+# What the adapter needs of torch's private API, written here independently of it.
+PRIVATE_API = [
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    ("torch.distributed._tools.mem_tracker", "MemTracker"),
+    ("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    ("torch._C._distributed_c10d", "_create_work_from_future"),
+    ("torch.utils.flop_counter", "flop_registry"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.utils._pytree", "tree_leaves"),
+    ("torch._C", "_get_dispatch_mode"),
+    ("torch._C", "_TorchDispatchModeKey"),
+    ("torch.distributed.optim.ZeroRedundancyOptimizer", "_partition_parameters"),
+    ("torch.distributed.fsdp.FSDPModule", "_get_fsdp_state"),
+    ("torch.autograd.Variable._execution_engine", "queue_callback"),
+]
+# MemTracker's categories the report's parts are made of.
+MEMTRACKER_CATEGORIES = {"Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other"}
+
+
+def resolve(dotted: str, name: str):
+    """`dotted`'s attribute `name`, `dotted` a module or an object inside one."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        for attribute in (*parts[end:], name):
+            found = getattr(found, attribute)
+        return found
+    raise ImportError(dotted)
+
+
+@pytest.mark.parametrize("module, name", PRIVATE_API, ids=[f"{m}.{n}" for m, n in PRIVATE_API])
+def test_torch_still_has_the_private_api_the_adapter_uses(module, name):
+    try:
+        found = resolve(module, name)
+    except (ImportError, AttributeError) as moved:
+        pytest.fail(f"torch {torch.__version__} moved {module}.{name} ({moved}): plugins/rehearsal.py, "
+                    f"the rehearsal's one adapter, must follow it")
+    assert found is not None
+
+
+def test_memtracker_still_has_the_categories_and_state_the_adapter_reads():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    assert MEMTRACKER_CATEGORIES <= {category.value for category in _MemRefType}, (
+        f"torch {torch.__version__} renamed MemTracker's categories: plugins/rehearsal.py's MEMORY_PARTS must follow")
+    tracker = MemTracker()
+    assert hasattr(tracker.memory_tracking, "pop") and isinstance(tracker._mod_tracker.is_bw, bool), (
+        f"torch {torch.__version__} changed MemTracker's per-module state, which plugins/rehearsal.py's "
+        f"MemoryTracking resets at each micro-batch")
+
+
+@pytest.fixture
+def fake_world():
+    """join(rank, world_size): this process in a fake world, left when the test ends."""
+    from plugins import rehearsal
+
+    yield rehearsal.join_fake_world
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_fake_tensors_hold_no_memory_and_the_hooks_are_no_ops_outside():
+    from plugins import rehearsal
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    assert not rehearsal.rehearsing()
+    with rehearsal.real_tensors():  # no fake mode: nothing to leave
+        assert type(torch.ones(2)) is torch.Tensor
+    real = nn.Linear(4, 4)
+    rehearsal.to_device(real, torch.device("cpu"))
+    assert type(real.weight) is nn.Parameter and "_apply" not in real.__dict__
+    with rehearsal.fake_tensors():
+        assert rehearsal.rehearsing()
+        assert isinstance(torch.empty(2 ** 40, dtype=torch.uint8), FakeTensor)  # a terabyte, of nothing
+        with rehearsal.real_tensors():
+            assert type(torch.ones(2)) is torch.Tensor
+        with rehearsal.on_meta_while_fake():
+            model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        assert all(p.is_meta for p in model.parameters())
+        rehearsal.to_device(model, torch.device("cpu"))
+        assert all(isinstance(p, FakeTensor) and p.device.type == "cpu" for p in model.parameters())
+        model(torch.randn(3, 8)).sum().backward()  # used: fake mode holds a reference to each parameter
+        model.to("cpu")  # Lightning's moves at setup and teardown: no-ops, not "Couldn't swap"
+        model.cpu()
+
+
+def test_flops_by_dtype_and_memory_traffic_of_a_step():
+    from plugins import rehearsal
+
+    m, k, n = 64, 32, 16
+    with rehearsal.fake_tensors():
+        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        x = torch.randn(m, k)
+        with rehearsal.StepCounter(ranks_per_node=8) as counter:
+            a @ b
+            x.t()  # a view: no bytes move
+            x + 1
+    assert dict(counter.flops) == {"bfloat16": 2 * m * k * n}
+    assert counter.memory_traffic == (m * k + k * n + m * n) * 2 + 2 * m * k * 4
+    with rehearsal.fake_tensors(), rehearsal.StepCounter(ranks_per_node=8) as repeated:
+        repeated.weight = 3  # what a micro-batch standing for three counts
+        torch.randn(m, k) @ torch.randn(k, n)
+    assert dict(repeated.flops) == {"float32": 3 * 2 * m * k * n}
+
+
+def test_every_collective_is_counted_by_op_group_and_nodes(fake_world):
+    from plugins import rehearsal
+    import torch.distributed._functional_collectives as functional
+
+    fake_world(3, 16)  # ranks_per_node 4: the world spans 4 nodes, ranks 0-7 two
+    eight = dist.new_group(list(range(8)))
+    with rehearsal.fake_tensors(), rehearsal.StepCounter(ranks_per_node=4) as counter:
+        tensor = torch.ones(10)
+        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=eight)
+        dist.all_gather_into_tensor(torch.empty(80), tensor, group=eight)
+        dist.reduce_scatter_tensor(torch.empty(10), torch.ones(80), group=eight)
+        dist.broadcast(tensor, src=0)
+        dist.send(tensor, dst=1)
+        dist.recv(tensor, src=1)
+        functional.all_reduce(tensor, "sum", eight)
+    rows = {(row["op"], row["group_size"], row["nodes"]): (row["calls"], row["bytes"])
+            for row in counter.collective_rows()}
+    assert rows == {("all_reduce", 16, 4): (1, 40), ("all_reduce", 8, 2): (2, 80), ("all_gather", 8, 2): (1, 40),
+                    ("reduce_scatter", 8, 2): (1, 320), ("broadcast", 16, 4): (1, 40), ("send", 16, 4): (1, 40),
+                    ("recv", 16, 4): (1, 40)}
+
+
+@pytest.mark.parametrize("hook, wire_bytes", [("default", 4), ("fp16", 2)])
+def test_rehearsed_ddp_buckets_and_hooks_send_what_ddp_sends(fake_world, hook, wire_bytes):
+    from plugins import rehearsal
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    fake_world(0, 4)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 10))
+    with rehearsal.fake_tensors():
+        model.to_empty(device="cpu")
+        wrapped = rehearsal.RehearsedDDP(model, bucket_cap_mb=1)
+        if hook == "fp16":
+            wrapped.register_comm_hook(None, fp16_compress_hook)
+        gradient_bytes = sum(p.numel() * 4 for p in model.parameters())
+        with rehearsal.StepCounter(ranks_per_node=4) as counter:
+            with wrapped.no_sync():
+                wrapped(torch.randn(2, 512)).sum().backward()
+            assert not counter.collective_rows()  # accumulating: nothing sent
+            wrapped(torch.randn(2, 512)).sum().backward()
+    # DDP's buckets, parameters in reverse order, each closed once it holds 1 MB (the first), then bucket_cap_mb.
+    assert [sum(p.numel() for p in bucket) for bucket in wrapped.buckets] == [10 + 5120 + 512 + 262144, 512 + 262144]
+    assert counter.collective_rows() == [{"op": "all_reduce", "group_size": 4, "nodes": 1, "calls": 2,
+                                          "bytes": gradient_bytes * wire_bytes // 4}]
+
+
+def test_memory_tracking_over_micro_batches_counts_each_part():
+    from plugins import rehearsal
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    with rehearsal.fake_tensors():
+        model.to_empty(device="cpu")
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(4, 256)).sum().backward()
+        optimizer.step()
+        tracking = rehearsal.MemoryTracking(model, [optimizer])
+        with tracking:
+            for _ in range(3):  # micro-batches: the same modules' forward, again
+                model(torch.randn(64, 256)).sum().backward()
+            optimizer.step()
+    parameter_bytes = sum(p.numel() * 4 for p in model.parameters())
+    parts = tracking.parts()
+    assert parts["parameters"] == parameter_bytes
+    assert parts["gradients"] == parameter_bytes
+    assert parts["optimizer_states"] >= 2 * parameter_bytes  # Adam's two moments (and its step counts)
+    assert parts["activations"] >= 64 * 1024 * 4  # the ReLU's output, saved for backward
+    assert parts["step_peak"] >= 3 * parameter_bytes + parts["activations"] // 2
+
+
+def test_cuda_rules_on_cpu_keep_cuda_float32_ops_and_no_attention_matrix():
+    from plugins import rehearsal
+
+    batch, heads, length, width = 1, 2, 512, 16
+    attention_matrix = batch * heads * length * length * 2  # bytes, bfloat16
+
+    def run(rules):
+        """(bytes saved for backward by a masked attention, softmax's output dtype) under CPU autocast."""
+        saved = []
+        with rehearsal.fake_tensors(), torch.autocast("cpu", dtype=torch.bfloat16), rules, \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+            q = torch.randn(batch, heads, length, width, dtype=torch.bfloat16, requires_grad=True)
+            mask = torch.ones(length, length, dtype=torch.bool).tril()  # as transformers' models pass it
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            dtype = F.softmax(torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True), -1).dtype
+        return sum(saved), dtype
+
+    _, cpu_dtype = run(contextlib.nullcontext())
+    cuda_saved, cuda_dtype = run(rehearsal.CudaRulesOnCpu())
+    assert (cpu_dtype, cuda_dtype) == (torch.bfloat16, torch.float32)  # CUDA's autocast keeps softmax in float32
+    assert cuda_saved < attention_matrix  # the fused kernel keeps no sequence x sequence matrix
