@@ -16,11 +16,8 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from typing_extensions import override
 
-<<<<<<< HEAD
 from plugins import traffic
-=======
 from plugins.rehearsal import data_parallel, rehearsing
->>>>>>> i42-rank
 
 # Called once the process group exists (hook states may create subgroups): returns (state, hook).
 HookFactory = Callable[[], Tuple[Any, Callable]]
