@@ -346,11 +346,18 @@ def check_job(cfg: "DictConfig", rehearsal: bool = False) -> Flight:
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
-    flight = Flight(cfg, rehearsal=rehearsal)
+    flight = Flight(cfg, rehearsal=rehearsal or auto_rehearses(cfg))
     for stage in JOB_STAGES:
-        if stage.runs_in(rehearsal):
+        if stage.runs_in(flight.rehearsal):
             stage.run(flight)
     return flight
+
+
+def auto_rehearses(cfg: "DictConfig") -> bool:
+    """strategy=[auto] with strategy.auto.mode=rehearse chooses for a cluster this machine is not: it is
+    checked as `lightfleet rehearse` checks a run (docs/auto.md, "Choosing for a cluster")."""
+    auto = (cfg.get("strategy") or {}).get("auto")
+    return auto is not None and auto.get("mode") == "rehearse"
 
 
 def document() -> str:
