@@ -16,6 +16,7 @@ With dry_run=true, `preview` says what auto knows and would do, and nothing is w
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -209,10 +210,13 @@ class Rehearsal(Judge):
         knobs, target = rehearsal_target(judging.spec)
         kinds = sum(len(kinds_of(spec, plan)) for _, _, spec, plan in pending)
         each = time.time() - started_at()
+        # A rank's process keeps about two cores busy (torch's threads): side by side only where cores are free.
+        side_by_side = min(knobs.at_once, max(1, (os.cpu_count() or 1) // 2))
         return (f"auto (rehearse): {len(pending)} candidates to rehearse at {judging.facts.world_size} processes for "
                 f"{target.name} ({target.memory_gb:g} GiB), {kinds} rank kinds (more where ZeRO stage 1's heaviest rank "
-                f"differs), {knobs.at_once} at a time: about {kinds * each / knobs.at_once:.0f} s (an estimate: "
-                f"{each:.0f} s a kind, as long as this command took to start)")
+                f"differs), {knobs.at_once} at a time: about {kinds * each / side_by_side:.0f} s (an estimate: "
+                f"{each:.0f} s a kind, as long as this command took to start, {side_by_side} side by side on "
+                f"{os.cpu_count()} cores)")
 
     def preview(self, judging: Judging) -> List[str]:
         return [f"{self.cost(judging, self.pending(judging))}; dry_run=true rehearses none"]

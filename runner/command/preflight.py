@@ -368,7 +368,8 @@ def document() -> str:
              "a refusal is one line naming the key, the value and what is allowed, with exit status 2.", ""]
     lines += [f"{number}. **{stage.name}**{' (`lightfleet rehearse` only)' if stage.rehearsal == 'only' else ''}: "
               f"{stage.refuses}." for number, stage in enumerate(STAGES, 1)]
-    lines += ["", "A rehearsal (`lightfleet rehearse`, docs/rehearse.md) skips:", ""]
+    lines += ["", "A rehearsal (`lightfleet rehearse`, docs/rehearse.md, and `strategy=[auto]` with "
+                  "`strategy.auto.mode=rehearse`, docs/auto.md) skips:", ""]
     lines += [f"- **{stage.name}**: {stage.rehearsal}." for stage in STAGES if stage.rehearsal not in ("runs", "only")]
     lines += ["", "What only a rank can know is checked there:", ""]
     lines += [f"- {item}." for item in RANK_ONLY]
