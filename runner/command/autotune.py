@@ -87,9 +87,10 @@ class Judge:
     many runs that took; `preview` says, for dry_run=true, what it would do, running nothing; `facts`:
     those of the device judged for; `estimates_prune`: a candidate over the
     memory by the estimate is left out unjudged; `elsewhere`: why the winner trains elsewhere, not
-    here (None: the run trains it now)."""
+    here (None: the run trains it now); `runs_dir`: the folder of auto/ its runs go in (None: it runs none)."""
 
     estimates_prune = True
+    runs_dir: Optional[str] = None
 
     def facts(self, spec: RunSpec, auto: AutoConfig) -> Facts:
         return run_facts(spec, auto.device_memory_gb)
@@ -124,6 +125,8 @@ class Rules(Judge):
 class Search(Judge):
     """Short measured trials, the highest samples/s wins (`search`)."""
 
+    runs_dir = TRIALS_DIR
+
     def choose(self, judging: Judging) -> Tuple[Choice, int]:
         return search(judging.spec, judging.listed, judging.auto, judging.auto_dir, judging.command, judging.facts)
 
@@ -147,6 +150,7 @@ class Rehearsal(Judge):
     The choice is for that cluster: nothing trains here."""
 
     estimates_prune = False  # the rehearsal measures what the estimate guesses
+    runs_dir = REHEARSALS_DIR
 
     def facts(self, spec: RunSpec, auto: AutoConfig) -> Facts:
         """rehearse.device's, not this machine's: its memory, and bfloat16 where the table gives it a peak."""
@@ -161,7 +165,7 @@ class Rehearsal(Judge):
         print(self.cost(judging, pending), flush=True)
         started, done = time.monotonic(), 0
         for count, (number, c, spec, plan) in enumerate(pending, 1):
-            run_dir = judging.auto_dir / REHEARSALS_DIR / str(number)
+            run_dir = judging.auto_dir / self.runs_dir / str(number)
             spec.cfg.paths.output_dir = str(run_dir)
             create_run_dir(spec.cfg, plan, judging.command, run_dir)
             began = time.monotonic()

@@ -10,13 +10,16 @@ stage 2 (optimizer states and gradients a quarter each: about 24 MiB) does.
 from __future__ import annotations
 
 import csv
-from pathlib import Path
+import signal
+import time
 
 import pytest
 import yaml
 
 from runner.command.autotune import JUDGES
+from runner.rank.parent import exit_status
 from runner.strategies.auto import MODES
+from tests.helpers.preemption import rank_pids, start, wait_for, wait_gone
 
 ARGS = ("strategy=[auto]", "strategy.auto.mode=rehearse", "trainer.accelerator=gpu", "trainer.devices=4",
         "model.num_blocks=1", "model.hidden_dim=1024", "rehearse.device=h100", "rehearse.device_memory_gb=0.03",
@@ -110,3 +113,23 @@ def test_a_world_this_machine_lacks_is_planned_not_refused(lightfleet):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world: 16 process(es) = 8 per node x 2 node(s)" in done.stdout
     assert "candidates to rehearse at 16 processes for h100" in done.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_while_rehearsing_ends_the_rehearsed_ranks_with_the_command(tmp_path):
+    """A signal to a fresh command while a candidate's rank is rehearsed: that rank's process ends with
+    the command, which says so in one line and trains nothing."""
+    run = tmp_path / "run"
+    process = start(tmp_path, *ARGS, "paths.output_dir=run")
+    wait_for(run / "auto" / "rehearsals" / "0" / "rehearse" / "rank-0.log", process)
+    deadline = time.monotonic() + 60
+    while not (ranks := rank_pids(process.pid)):
+        assert process.poll() is None and time.monotonic() < deadline, "no rank was rehearsed"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=90)
+    assert process.returncode == exit_status(signal.SIGTERM), err
+    assert err.strip().splitlines()[-1] == (f"lightfleet: stopped by SIGTERM in strategy=[auto]'s rehearse, nothing "
+                                            f"trained; its rehearsals so far: {run / 'auto' / 'rehearsals'}")
+    wait_gone(ranks, within=30)
+    assert not (run / "auto" / "choice.yaml").exists() and not (run / "results.yaml").exists()
