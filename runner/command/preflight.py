@@ -356,8 +356,11 @@ def check_job(cfg: "DictConfig", rehearsal: bool = False) -> Flight:
 def auto_rehearses(cfg: "DictConfig") -> bool:
     """strategy=[auto] with strategy.auto.mode=rehearse chooses for a cluster this machine is not: it is
     checked as `lightfleet rehearse` checks a run (docs/auto.md, "Choosing for a cluster")."""
-    auto = (cfg.get("strategy") or {}).get("auto")
-    return auto is not None and auto.get("mode") == "rehearse"
+    return auto_selected(cfg) and cfg.strategy.auto.get("mode") == "rehearse"
+
+
+def auto_selected(cfg: "DictConfig") -> bool:
+    return (cfg.get("strategy") or {}).get("auto") is not None
 
 
 def document() -> str:

@@ -91,6 +91,10 @@ def rehearse(args: Sequence[str]) -> int:
             raise ConfigError("lightfleet rehearse", flag, "rehearses the one run its overrides compose; "
                               "give only KEY=VALUE (and --config-dir, --config-name)")
     cfg = preflight.compose(parsed.overrides, parsed.config_dir, config_name)
+    if preflight.auto_selected(cfg):  # its plan holds no strategy yet: the rehearsal would be of none
+        raise ConfigError("strategy", "[auto]", "lightfleet rehearse rehearses one plan, and auto's is chosen when "
+                          "it runs; to choose by rehearsing every candidate: lightfleet 'strategy=[auto]' "
+                          "strategy.auto.mode=rehearse (docs/auto.md)")
     flight = preflight.check_job(cfg, rehearsal=True)
     spec, plan = flight.spec, flight.plan
     knobs: RehearseConfig = OmegaConf.to_object(spec.cfg.rehearse)

@@ -133,3 +133,11 @@ def test_sigterm_while_rehearsing_ends_the_rehearsed_ranks_with_the_command(tmp_
                                             f"trained; its rehearsals so far: {run / 'auto' / 'rehearsals'}")
     wait_gone(ranks, within=30)
     assert not (run / "auto" / "choice.yaml").exists() and not (run / "results.yaml").exists()
+
+
+def test_lightfleet_rehearse_of_auto_points_to_the_mode(lightfleet, tmp_path):
+    """`lightfleet rehearse` rehearses one plan; auto's is not chosen yet: refused, naming the mode."""
+    done = lightfleet("rehearse", "strategy=[auto]", "trainer.devices=2", "paths.output_dir=refused")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("lightfleet: error: strategy='[auto]': lightfleet rehearse rehearses one plan")
+    assert "strategy.auto.mode=rehearse" in done.stderr and not (tmp_path / "refused").exists()
