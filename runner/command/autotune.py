@@ -161,7 +161,7 @@ class Rehearsal(Judge):
     def choose(self, judging: Judging) -> Tuple[Choice, int]:
         knobs, target = rehearsal_target(judging.spec)
         pending = self.pending(judging)
-        kinds = sum(len(kinds_of(spec, plan)) for _, _, spec, plan in pending)
+        kinds = kind_count(pending)
         print(self.cost(judging, pending), flush=True)
         started, done = time.monotonic(), 0
         for count, (number, c, spec, plan) in enumerate(pending, 1):
@@ -178,7 +178,8 @@ class Rehearsal(Judge):
                 c.rehearsed = {"peak_bytes": found.peak, "needs_bytes": found.needs, "memory_bytes": target.memory,
                                "device": target.name,
                                "predicted_samples_per_s": slowest.samples_per_s if slowest else None}
-                c.status, c.reason = ("fits", "") if found.problem is None else ("does not fit", str(found.problem))
+                # The verdict without its knob's name: "rank 0 (...) needs 37.6 MiB (peak ...) of 30.7 MiB, ..."
+                c.status, c.reason = ("fits", "") if found.problem is None else ("does not fit", found.problem.allowed)
             c.trial_s = time.monotonic() - began
             done += len(kinds_of(spec, plan))
             left = (time.monotonic() - started) / done * (kinds - done)
@@ -212,7 +213,7 @@ class Rehearsal(Judge):
         """What rehearsing them all takes: rank kinds x seconds a kind (before any is rehearsed, as long
         as this command took to start: a rehearsed rank imports torch and Lightning and builds the model too)."""
         knobs, target = rehearsal_target(judging.spec)
-        kinds = sum(len(kinds_of(spec, plan)) for _, _, spec, plan in pending)
+        kinds = kind_count(pending)
         each = time.time() - started_at()
         # A rank's process keeps about two cores busy (torch's threads): side by side only where cores are free.
         side_by_side = min(knobs.at_once, max(1, (os.cpu_count() or 1) // 2))
@@ -225,9 +226,6 @@ class Rehearsal(Judge):
     def preview(self, judging: Judging) -> List[str]:
         return [f"{self.cost(judging, self.pending(judging))}; dry_run=true rehearses none"]
 
-    def words(self, seconds: float, runs: int) -> str:
-        return f"auto's rehearsal {seconds:.1f} s, {runs} candidates"
-
     def elsewhere(self, judging: Judging) -> Optional[str]:
         target = rehearsal_target(judging.spec)[1]
         devices = "CPU processes" if target.device_type == "cpu" else f"{target.name} GPUs"
@@ -237,6 +235,11 @@ class Rehearsal(Judge):
 
 
 JUDGES: Dict[str, Judge] = {"rules": Rules(), "search": Search(), "rehearse": Rehearsal()}  # by strategy.auto.mode
+
+
+def kind_count(pending: Sequence[Tuple[int, Candidate, RunSpec, Plan]]) -> int:
+    """The rank kinds the candidates' layouts hold, all together (before any names a heaviest rank)."""
+    return sum(len(kinds_of(spec, plan)) for _, _, spec, plan in pending)
 
 
 def rehearsal_target(spec: RunSpec) -> Tuple[RehearseConfig, Target]:

@@ -73,7 +73,7 @@ def test_plain_ddp_does_not_fit_and_is_left_out_with_its_peak(rehearsed):
     assert choice["mode"] == "rehearse" and choice["strategies"]["sharding"]["stage"] in (2, 3)
     assert rows[choice["chosen"]]["status"] == "fits"
     # Sharding is taken because without it the winner's rehearsal does not fit, said with that peak.
-    assert choice["why"]["sharding"].startswith("taken: without it, rehearse.device_memory_gb=0.03: rank 0 ")
+    assert choice["why"]["sharding"].startswith("taken: without it, rank 0 (dp_replicate 4) needs ")
     assert f"auto (rehearse): chose {choice['chosen']}: rehearsed peak " in done.stdout
     assert "do not fit by their rehearsal" in choice["verdict"][0]
     # Chosen for a cluster: nothing trained here, and the command to run there said.
@@ -141,3 +141,18 @@ def test_lightfleet_rehearse_of_auto_points_to_the_mode(lightfleet, tmp_path):
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith("lightfleet: error: strategy='[auto]': lightfleet rehearse rehearses one plan")
     assert "strategy.auto.mode=rehearse" in done.stderr and not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow
+def test_when_no_candidate_fits_the_one_needing_least_is_named_in_one_line(lightfleet, tmp_path):
+    """One process and a batch of one (no sharding, no gradient merging: plain and amp), 1 MiB: both
+    rehearsed, neither fits; exit status 2."""
+    done = lightfleet(*ARGS[:3], "trainer.devices=1", *ARGS[4:7], "rehearse.device_memory_gb=0.001", *ARGS[8:],
+                      "data.batch_size=1", "paths.output_dir=run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "auto (rehearse): 2 candidates to rehearse at 1 processes" in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lightfleet: error: rehearse.device_memory_gb=0.001: no candidate "
+                                                   "fits: the one that needs least, "), lines
+    assert "rank 0 (one process) needs " in lines[0] and lines[0].count("device_memory_gb") == 1
+    assert not (tmp_path / "run" / "auto" / "choice.yaml").exists()
