@@ -27,8 +27,9 @@ from runner.core.contribution import SAVED_PARTS, SAVED_PRECISIONS, Facts
 
 def gather_facts(build_model: Callable[[], pl.LightningModule], datamodule: pl.LightningDataModule, *,
                  device: str, world_size: int, num_nodes: int, batch_size: Optional[int],
-                 device_memory_gb: Optional[float]) -> Facts:
-    """The facts of a run whose model `build_model` makes, on `device` ("cpu" or "cuda")."""
+                 device_memory_gb: Optional[float], bf16: Optional[bool] = None) -> Facts:
+    """The facts of a run whose model `build_model` makes, on `device` ("cpu" or "cuda"); `bf16`:
+    whether that device computes in bfloat16 (None: this machine's GPU's, where `device` is cuda)."""
     with torch.device("meta"):
         model = build_model()
     blocks = repeated_block_list(model)
@@ -43,7 +44,7 @@ def gather_facts(build_model: Callable[[], pl.LightningModule], datamodule: pl.L
         activation_bytes=saved["float32"]["total"] if saved else 0, saved=saved,
         batch_size=batch_size, world_size=world_size, num_nodes=num_nodes, device=device,
         device_memory_bytes=(int(device_memory_gb * 2**30) if device_memory_gb else memory_per_process(device, per_node)),
-        bf16=device != "cuda" or torch.cuda.is_bf16_supported())
+        bf16=(device != "cuda" or torch.cuda.is_bf16_supported()) if bf16 is None else bf16)
 
 
 def optimizer_family(configured: Any) -> str:

@@ -159,7 +159,7 @@ def run(overrides: List[str], config_dir: Optional[str], config_name: str) -> in
     if flight.spec.cfg.dry_run:
         print(dry_run_text(flight))
         return 0
-    run_dir, subdir = preflight.run_directory(cfg, flight.plan)
+    run_dir, subdir = preflight.run_directory(cfg, flight.plan, flight.rehearsal)
     hydra_api.run_one(load_hydra(config_dir), cfg, str(run_dir / subdir), partial(run_checked, flight.for_the_job(), run_dir),
                       config_name)
     return 0

@@ -156,16 +156,18 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
 
     choosing = ""  # strategy=[auto]'s choice, said apart from the training on the done line
     if "auto" in plan.strategies:  # chosen now, before any rank starts
-        from runner.command.autotune import choose
+        from runner.command.autotune import JUDGES, choose
 
         try:
-            with launch.stopping_at_once():  # a trial under way is stopped with the command
+            with launch.stopping_at_once():  # a trial or rehearsal under way is stopped with the command
                 chosen = choose(spec, records, command)
         except Preempted as stop:
-            say(f"lightfleet: stopped by {signal.Signals(stop.signum).name} in strategy=[auto]'s search, nothing "
-                f"trained; its trials so far: {records / files.AUTO_DIR / files.TRIALS_DIR}", sys.stderr)
+            mode = spec.strategies["auto"].mode
+            runs = JUDGES[mode].runs_dir
+            say(f"lightfleet: stopped by {signal.Signals(stop.signum).name} in strategy=[auto]'s {mode}, nothing "
+                f"trained" + (f"; its {runs} so far: {records / files.AUTO_DIR / runs}" if runs else ""), sys.stderr)
             return exit_status(stop.signum)
-        if chosen is None:  # strategy.auto.search_only
+        if chosen is None:  # strategy.auto.search_only, or chosen for a cluster (mode=rehearse)
             return 0
         spec, plan, choosing = chosen.spec, chosen.plan, f"; {chosen.words}"
         mark_start()  # the run's start-up and wall time (results.yaml) count from here, the choice's apart

@@ -346,11 +346,21 @@ def check_job(cfg: "DictConfig", rehearsal: bool = False) -> Flight:
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
-    flight = Flight(cfg, rehearsal=rehearsal)
+    flight = Flight(cfg, rehearsal=rehearsal or auto_rehearses(cfg))
     for stage in JOB_STAGES:
-        if stage.runs_in(rehearsal):
+        if stage.runs_in(flight.rehearsal):
             stage.run(flight)
     return flight
+
+
+def auto_rehearses(cfg: "DictConfig") -> bool:
+    """strategy=[auto] with strategy.auto.mode=rehearse chooses for a cluster this machine is not: it is
+    checked as `lightfleet rehearse` checks a run (docs/auto.md, "Choosing for a cluster")."""
+    return auto_selected(cfg) and cfg.strategy.auto.get("mode") == "rehearse"
+
+
+def auto_selected(cfg: "DictConfig") -> bool:
+    return (cfg.get("strategy") or {}).get("auto") is not None
 
 
 def document() -> str:
@@ -361,7 +371,8 @@ def document() -> str:
              "a refusal is one line naming the key, the value and what is allowed, with exit status 2.", ""]
     lines += [f"{number}. **{stage.name}**{' (`lightfleet rehearse` only)' if stage.rehearsal == 'only' else ''}: "
               f"{stage.refuses}." for number, stage in enumerate(STAGES, 1)]
-    lines += ["", "A rehearsal (`lightfleet rehearse`, docs/rehearse.md) skips:", ""]
+    lines += ["", "A rehearsal (`lightfleet rehearse`, docs/rehearse.md, and `strategy=[auto]` with "
+                  "`strategy.auto.mode=rehearse`, docs/auto.md) skips:", ""]
     lines += [f"- **{stage.name}**: {stage.rehearsal}." for stage in STAGES if stage.rehearsal not in ("runs", "only")]
     lines += ["", "What only a rank can know is checked there:", ""]
     lines += [f"- {item}." for item in RANK_ONLY]

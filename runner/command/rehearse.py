@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -81,7 +81,7 @@ def rehearse(args: Sequence[str]) -> int:
     from omegaconf import OmegaConf
 
     from runner.core.plan import format_plan
-    from runner.records.run_dir import create_run_dir, write_yaml
+    from runner.records.run_dir import create_run_dir
 
     parsed, _, config_name = parse(list(args))
     flags = {"-m": parsed.multirun, "--cfg": parsed.cfg, "--info": parsed.info,
@@ -91,14 +91,16 @@ def rehearse(args: Sequence[str]) -> int:
             raise ConfigError("lightfleet rehearse", flag, "rehearses the one run its overrides compose; "
                               "give only KEY=VALUE (and --config-dir, --config-name)")
     cfg = preflight.compose(parsed.overrides, parsed.config_dir, config_name)
+    if preflight.auto_selected(cfg):  # its plan holds no strategy yet: the rehearsal would be of none
+        raise ConfigError("strategy", "[auto]", "lightfleet rehearse rehearses one plan, and auto's is chosen when "
+                          "it runs; to choose by rehearsing every candidate: lightfleet 'strategy=[auto]' "
+                          "strategy.auto.mode=rehearse (docs/auto.md)")
     flight = preflight.check_job(cfg, rehearsal=True)
     spec, plan = flight.spec, flight.plan
     knobs: RehearseConfig = OmegaConf.to_object(spec.cfg.rehearse)
     target = knobs.target(spec.trainer.accelerator)
     world = World(**plan.world)
-    sharding = spec.strategies.get("sharding")
-    layout, stage = plan.layout or Layout(dp_replicate=world.world_size), sharding.stage if sharding else None
-    kinds = rank_kinds(layout, stage)
+    kinds = kinds_of(spec, plan)
     if spec.cfg.dry_run:
         print(f"{format_plan(plan)}\nlightfleet rehearse would rehearse: "
               f"{'; '.join(f'rank {kind.rank} ({kind.words})' for kind in kinds)}")
@@ -110,42 +112,101 @@ def rehearse(args: Sequence[str]) -> int:
           f"{world.world_size} processes for {target.name} ({', '.join(f'rank {kind.rank}' for kind in kinds)}), "
           f"{knobs.at_once} at a time, {knobs.steps} steps each on fake tensors: a model of billions of "
           f"parameters takes about a minute a kind", flush=True)
+
+    from runner.command.launch import stopping_at_once  # torch's and Lightning's: after the preflight
+    from runner.rank.preemption import Preempted
+
+    try:
+        with stopping_at_once():  # a signal ends the ranks with the command (run_ranks' finally)
+            rehearsed = rehearse_dir(run_dir, spec, plan, knobs, target)
+    except (RankFailed, Preempted) as failure:
+        print(ending_of(failure), file=sys.stderr)
+        return exit_status(failure.signum) if isinstance(failure, Preempted) else failure.code
+    if rehearsed.predictions:
+        print(f"lightfleet: predicted {rehearsed.slowest.line()}", flush=True)
+    if rehearsed.problem:
+        raise rehearsed.problem
+    print(f"lightfleet: every kind of rank fits {target.name}'s {target.memory_gb:g} GiB: {run_dir / REHEARSAL_YAML}")
+    return 0
+
+
+def kinds_of(spec: "RunSpec", plan: "Plan") -> List[RankKind]:
+    """The kinds of rank the plan's layout holds (runner/config/rehearse.py)."""
+    sharding = spec.strategies.get("sharding")
+    return rank_kinds(layout_of(plan), sharding.stage if sharding else None)
+
+
+def layout_of(plan: "Plan") -> Layout:
+    return plan.layout or Layout(dp_replicate=World(**plan.world).world_size)
+
+
+@dataclass
+class Rehearsed:
+    """What rehearsing a run's rank kinds found: each kind's report, verdict and prediction, and the
+    refusal of the kind that misses most (None: every kind fits)."""
+
+    reports: Dict[RankKind, Dict[str, Any]]
+    verdicts: List[Verdict]
+    problem: Optional[ConfigError]
+    predictions: Dict[RankKind, Prediction]
+
+    @property
+    def slowest(self) -> Prediction:
+        """The run goes at its slowest rank's pace (a pipeline at its slowest stage's)."""
+        return max(self.predictions.values(), key=lambda prediction: prediction.step_s)
+
+    @property
+    def peak(self) -> int:
+        return max(one.peak for one in self.verdicts)
+
+    @property
+    def needs(self) -> int:
+        return max(one.needs for one in self.verdicts)
+
+
+def rehearse_dir(run_dir: Path, spec: "RunSpec", plan: "Plan", knobs: RehearseConfig, target: Target,
+                 said: Callable[[str], None] = partial(print, flush=True)) -> Rehearsed:
+    """Rehearse the run whose config and plan `run_dir` holds: each kind of rank, a line `said` as each
+    finishes, then the verdicts and predictions, all into run_dir/rehearsal.yaml (its verdict the
+    failure where a rank fails: RankFailed, or a signal: Preempted, raised on)."""
+    from runner.rank.preemption import Preempted
+    from runner.records.run_dir import write_yaml
+
+    layout = layout_of(plan)
+    sharding = spec.strategies.get("sharding")
+    stage = sharding.stage if sharding else None
     record = {"device": {"name": target.name, "memory_gb": target.memory_gb, "device_type": target.device_type},
               "reserve": {"cuda_context_gb": knobs.reserve_context_gb, "nccl_gb": knobs.reserve_nccl_gb,
                           "fragmentation": knobs.reserve_fragmentation},
               "world": plan.world, "layout": layout.to_dict()}
 
-    from runner.command.launch import stopping_at_once  # torch's and Lightning's: after the preflight
-    from runner.rank.preemption import Preempted
-
-    def said(kind: RankKind, report: Mapping[str, Any]) -> None:
-        print(console_line(verdict(kind, report, knobs, target), report), flush=True)
+    def each(kind: RankKind, report: Mapping[str, Any]) -> None:
+        said(console_line(verdict(kind, report, knobs, target), report))
 
     try:
-        with stopping_at_once():  # a signal ends the ranks with the command (run_ranks' finally)
-            reports = run_ranks(run_dir, kinds, knobs.steps, target.device_type, knobs.at_once, said,
-                                partial(heaviest, layout=layout, sharding_stage=stage))
+        reports = run_ranks(run_dir, kinds_of(spec, plan), knobs.steps, target.device_type, knobs.at_once, each,
+                            partial(heaviest, layout=layout, sharding_stage=stage))
     except (RankFailed, Preempted) as failure:
-        ending = (f"lightfleet: rehearsal stopped by {signal.Signals(failure.signum).name}"
-                  if isinstance(failure, Preempted) else str(failure))
-        write_yaml(run_dir / REHEARSAL_YAML, {**record, "fits": None, "verdict": ending})
-        print(ending, file=sys.stderr)
-        return exit_status(failure.signum) if isinstance(failure, Preempted) else failure.code
+        write_yaml(run_dir / REHEARSAL_YAML, {**record, "fits": None, "verdict": ending_of(failure)})
+        raise
     verdicts, problem = judged(reports, knobs, target, spec, plan)
     predictions = predicted(reports, knobs, target, spec, layout)
+    rehearsed = Rehearsed(reports, verdicts, problem, predictions)
     record.update(fits=problem is None, verdict=f"lightfleet: error: {problem}" if problem else "fits", ranks=[
         {"rank": one.kind.rank, "kind": one.kind.words, "fits": one.fits, "needs_bytes": one.needs,
          "peak_bytes": one.peak, "reserve_bytes": one.reserve, "report": reports[one.kind],
          **({"prediction": asdict(predictions[one.kind])} if one.kind in predictions else {})} for one in verdicts])
-    if predictions:  # the run goes at its slowest rank's pace (a pipeline at its slowest stage's)
-        slowest = max(predictions.values(), key=lambda prediction: prediction.step_s)
-        record["prediction"] = asdict(slowest)
-        print(f"lightfleet: predicted {slowest.line()}", flush=True)
+    if predictions:
+        record["prediction"] = asdict(rehearsed.slowest)
     write_yaml(run_dir / REHEARSAL_YAML, record)
-    if problem:
-        raise problem
-    print(f"lightfleet: every kind of rank fits {target.name}'s {target.memory_gb:g} GiB: {run_dir / REHEARSAL_YAML}")
-    return 0
+    return rehearsed
+
+
+def ending_of(failure: Exception) -> str:
+    """A rehearsal's last line when a rank failed (its own line) or a signal stopped it."""
+    if isinstance(failure, RankFailed):
+        return str(failure)
+    return f"lightfleet: rehearsal stopped by {signal.Signals(failure.signum).name}"
 
 
 def judged(reports: Mapping[RankKind, Mapping[str, Any]], knobs: RehearseConfig, target: Target,

@@ -43,6 +43,7 @@ AUTO_DIR = "auto"  # strategy=[auto]'s choice; a sweep directory whose jobs are 
 CANDIDATES_CSV = "candidates.csv"
 CHOICE_YAML = "choice.yaml"
 TRIALS_DIR = "trials"  # trials/<k>/: a run directory each
+REHEARSALS_DIR = "rehearsals"  # auto/rehearsals/<k>/ (strategy.auto.mode=rehearse): a rehearsal's run directory each
 AGAIN = "_again"  # ends the directory of a trial auto ran again: trials/<k>_again/
 TRIAL_LOG = "trial.log"
 # A sweep directory's (auto/ is one too: its trials are its jobs).

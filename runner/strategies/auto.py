@@ -14,16 +14,17 @@ from runner.core.errors import ConfigError, require
 from runner.strategies import schemas
 
 KEY = "strategy.auto."
-MODES = ("search", "rules")
+MODES = ("search", "rules", "rehearse")
 # The numerics-changing strategies Fleet's rules turn on when they apply, in Fleet's order.
 NUMERICS = ("lars", "lamb", "dgc", "localsgd")
 # Candidates that cannot win: over the memory by the estimate, or refused by the plan.
 EXCLUDED = ("pruned", "refused")
 TRIAL_FAILED = ("failed", "out_of_memory")  # rank last in the rules' fallback of a search
-# How the other candidates lost, by status (runner/command/autotune.py gives the trial statuses).
+# How the other candidates lost, by status (runner/command/autotune.py gives the trial and rehearsal statuses).
 LOST = {"candidate": "rank lower", "ok": "measured slower", "pruned": "exceed the memory",
-        "refused": "refused by the plan", "failed": "failed their trial",
-        "out_of_memory": "ran out of memory in their trial", "not tried": "not tried (budget spent)"}
+        "refused": "refused by the plan", "failed": "failed their trial or rehearsal",
+        "out_of_memory": "ran out of memory in their trial", "not tried": "not tried (budget spent)",
+        "fits": "fit and rank lower by their rehearsal", "does not fit": "do not fit by their rehearsal"}
 @dataclass
 class AutoConfig(Strategy):
     """Choose the strategies (Fleet: `strategy.auto`): from facts about the model, the data and the
@@ -37,7 +38,10 @@ class AutoConfig(Strategy):
     mode: str = "search"
     """search: short measured trials of the candidates that fit, fastest estimate first; the
     highest samples/s wins. rules: no trials: of the candidates that fit, the first by Fleet's
-    preferences (amp on GPUs only), then the speed model, then the larger micro-batch."""
+    preferences (amp on GPUs only), then the speed model, then the larger micro-batch. rehearse:
+    for a cluster this machine is not (trainer.devices x trainer.num_nodes, rehearse.device): every
+    candidate rehearsed as `lightfleet rehearse` does, no trials, no GPU; those that fit ranked by
+    predicted samples/s; writes auto/ and trains nothing (docs/auto.md)."""
     budget_s: Optional[float] = None
     """search: no trial starts after this many seconds of trials (null: none after 600 s and, unless
     max_trials is set, the search scaled to the job: trials take at most a quarter of its expected
@@ -85,6 +89,7 @@ class Candidate:
     reason: str = ""
     measured: Dict[str, Any] = field(default_factory=dict)
     trial_s: Optional[float] = None  # its trial's wall time, processes' start-up to end, as the search saw it
+    rehearsed: Dict[str, Any] = field(default_factory=dict)  # its rehearsal's peak, needs and prediction (mode=rehearse)
 
     @property
     def label(self) -> str:
@@ -311,9 +316,9 @@ def accounts(ranked: Sequence[Candidate], listed: Sequence[Candidate], facts: Fa
         with_it = [c for c in listed if name in c.strategies]
         best_with = next((c for c in ranked if name in c.strategies), None)
         if name in winner.strategies:
-            rest = candidate(facts, without(winner, [name]))
-            if not fits(rest.memory, facts):
-                why[name] = f"taken: without it, {over_memory(rest.memory, facts)}"
+            rest = over_without(winner, name, listed, facts)
+            if rest:
+                why[name] = f"taken: without it, {rest}"
             elif name in preferred:
                 why[name] = f"taken: {preferred[name]}"
             else:
@@ -331,6 +336,17 @@ def accounts(ranked: Sequence[Candidate], listed: Sequence[Candidate], facts: Fa
         else:
             why[name] = f"left out: {unavailable(with_it)}"
     return why
+
+
+def over_without(c: Candidate, name: str, listed: Sequence[Candidate], facts: Facts) -> Optional[str]:
+    """Why `c` without strategy `name` does not fit (None: it does): its rehearsal's verdict where it
+    was rehearsed, else the estimate."""
+    rest = without(c, [name])
+    rehearsed = next((other for other in listed if other.strategies == rest and other.rehearsed), None)
+    if rehearsed is not None:
+        return rehearsed.reason if rehearsed.status == "does not fit" else None
+    estimate = candidate(facts, rest)
+    return None if fits(estimate.memory, facts) else over_memory(estimate.memory, facts)
 
 
 def unavailable(with_it: Sequence[Candidate]) -> str:
@@ -354,6 +370,12 @@ def standing(c: Candidate, choice: Choice, facts: Facts) -> str:
     """`c`'s estimate and place: its measured samples/s after a trial, else its rank by the rules."""
     limit = f" (of {memory_text(facts.device_memory_bytes)})" if facts.device_memory_bytes else ""
     batch = f", micro-batch {c.micro_batch}" if c.micro_batch is not None else ""
+    if c.rehearsed:
+        rehearsed = c.rehearsed
+        rate = (f", predicted {rehearsed['predicted_samples_per_s']:,.1f} samples/s on {rehearsed['device']}"
+                if rehearsed.get("predicted_samples_per_s") else f", speed factor {c.speed:.2f}")
+        return (f"rehearsed peak {memory_text(rehearsed['peak_bytes'])}, needs {memory_text(rehearsed['needs_bytes'])} "
+                f"per process with the reserve (of {memory_text(rehearsed['memory_bytes'])}){batch}{rate}")
     place = (f"measured {c.measured['samples_per_s']:,.1f} samples/s" if c.measured else
              f"rank {choice.ranked.index(c) + 1} of {len(choice.ranked)} that fit, speed factor {c.speed:.2f}")
     return f"estimated {memory_text(c.memory.total)} per process{limit}{batch}, {place}"

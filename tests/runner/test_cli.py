@@ -342,6 +342,7 @@ FORMS = {
     "resume PATH KEY=VALUE": "tests/test_hydra_app.py::test_resume_continues_the_step_count_and_the_loss_curve",
     "rehearse": "tests/runner/test_rehearse_command.py::test_rehearse_help_and_a_rehearsal_without_overrides",
     "rehearse KEY=VALUE": "tests/runner/test_rehearse_command.py::test_the_whole_command_with_stand_in_ranks_fits_and_does_not_fit",
+    "rehearse --config-dir KEY=VALUE": "tests/runner/test_auto_rehearse.py::test_the_winners_best_yaml_reruns",
     "report": "tests/runner/test_report.py::test_no_path_reports_the_newest_sweep_under_multirun",
     "report PATH": "tests/runner/test_cli.py::test_report_of_a_run_directory_through_the_command",
     "report PATH --baseline": "tests/runner/test_report.py::test_a_run_directory_and_several_paths",
