@@ -340,6 +340,7 @@ class StepCounter(TorchDispatchMode):
         self.collectives: Dict[Tuple[str, int, int], List[int]] = defaultdict(lambda: [0, 0])  # -> [calls, bytes]
         self.flops: Dict[str, int] = defaultdict(int)
         self.memory_traffic = 0
+        self.kernels = 0  # ops that compute (views do not): one kernel launch each, eager
         self.weight = 1  # how many times what runs now counts: micro-batches alike, run once (runner/rank/rehearse.py)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -353,6 +354,7 @@ class StepCounter(TorchDispatchMode):
         elif func.namespace == "aten" and not func.is_view:
             tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
             self.memory_traffic += self.weight * sum(t.numel() * t.element_size() for t in tensors)
+            self.kernels += self.weight
             if func.overloadpacket in flop_registry:
                 dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
                 self.flops[str(dtype).replace("torch.", "")] += self.weight * flop_registry[func.overloadpacket](

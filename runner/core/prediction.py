@@ -30,6 +30,10 @@ FIELDS = ("flops", *NUMBERS)
 COMPUTE_FRACTION = 0.7
 MEMORY_FRACTION = 0.8
 NETWORK_FRACTION = 0.8
+# Eager PyTorch's CPU time to dispatch one op and launch its kernel (profiles of small models on
+# A100s and H100s: 4 to 10 us an op): a step's kernels cannot start faster than the CPU issues
+# them, which bounds a small model's step from below. torch.compile's fused kernels issue fewer.
+LAUNCH_S = 5e-6
 # One collective call's fixed cost (NCCL's small-message latency at a few nodes: tens of microseconds).
 CALL_LATENCY_S = 20e-6
 
@@ -125,6 +129,7 @@ class Prediction:
     communication_s: Dict[str, float]  # per op, each alone on the links
     exposed_communication_s: float  # what the step waits for: overlapped ops' first call, point to point, the rest
     bubble_s: float  # a pipeline stage idle while the others fill and drain
+    launch_s: float  # the CPU issuing the step's kernels (LAUNCH_S each): the step is never shorter
     samples_per_s: float  # all ranks together
     samples_per_s_per_gpu: float
     tokens_per_s: Optional[float]  # None: not a sequence model
@@ -136,7 +141,9 @@ class Prediction:
         rate = (f"{self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU ({self.tokens_per_s:,.0f} in all)"
                 if self.tokens_per_s is not None else
                 f"{self.samples_per_s_per_gpu:,.1f} samples/s per GPU ({self.samples_per_s:,.1f} in all)")
-        return (f"{self.device}: step {self.step_s:.3g} s (compute {self.compute_s:.3g} + memory {self.memory_s:.3g}"
+        bound = f"bound by launching its kernels, {self.launch_s:.3g} s; the device's part: " if (
+            self.launch_s >= self.step_s) else ""
+        return (f"{self.device}: step {self.step_s:.3g} s ({bound}compute {self.compute_s:.3g} + memory {self.memory_s:.3g}"
                 f" + exposed communication {self.exposed_communication_s:.3g} + bubble {self.bubble_s:.3g}; "
                 f"communication alone: {comm}) | {rate} | MFU {self.mfu:.1%}")
 
@@ -171,7 +178,9 @@ def predict(report: Mapping[str, Any], device: Device, layout: Optional[Layout] 
     serial_s = (max((communication_s.get(op, 0.0) for op in POINT_TO_POINT), default=0.0)
                 + sum(s for op, s in communication_s.items() if op not in OVERLAPPED + POINT_TO_POINT))
     bubble_s = busy_s * pipeline_bubble(layout.pp, micro_batches, vpp_degree)
-    step_s = max(busy_s, overlapped_s - first_calls_s) + first_calls_s + serial_s + bubble_s
+    device_s = max(busy_s, overlapped_s - first_calls_s) + first_calls_s + serial_s + bubble_s
+    launch_s = report.get("kernels", 0) * LAUNCH_S
+    step_s = max(device_s, launch_s)  # where the CPU issues kernels slower than they run, the GPU waits
 
     world = report["world_size"]
     samples_per_s = report["samples_per_step"] * layout.data_parallel_size / step_s
@@ -180,8 +189,8 @@ def predict(report: Mapping[str, Any], device: Device, layout: Optional[Layout] 
     main_dtype = max(flops, key=flops.get) if flops else None
     mfu = 0.0 if main_dtype is None else (model_flops or sum(flops.values())) / (device.peak(main_dtype) * step_s)
     return Prediction(device=device.name, step_s=step_s, compute_s=compute_s, memory_s=memory_s,
-                      communication_s=communication_s, exposed_communication_s=step_s - busy_s - bubble_s,
-                      bubble_s=bubble_s,
+                      communication_s=communication_s, exposed_communication_s=device_s - busy_s - bubble_s,
+                      bubble_s=bubble_s, launch_s=launch_s,
                       samples_per_s=samples_per_s, samples_per_s_per_gpu=samples_per_s / world,
                       tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=None if tokens_per_s is None else tokens_per_s / world,
                       mfu=mfu)

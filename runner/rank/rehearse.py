@@ -144,7 +144,7 @@ class RehearsalLoop:
             self.formulas["amp"] = SCALER
         memory["host"] = 0
         self.report.update(kind=kind_of(strategy), memory=memory, collectives=counter.collective_rows(),
-                           flops=dict(counter.flops), memory_traffic_bytes=counter.memory_traffic,
+                           flops=dict(counter.flops), memory_traffic_bytes=counter.memory_traffic, kernels=counter.kernels,
                            **per_step(batch, accumulation), heaviest_rank=heaviest_rank(trainer.optimizers),
                            formula=self.formulas)
         offloaded(self.report, trainer)

@@ -124,6 +124,15 @@ def test_a_pipeline_waits_for_its_bubble_and_counts_its_replicas():
     assert interleaved.bubble_s == pytest.approx(four_stages.bubble_s / 2)
 
 
+def test_a_small_models_step_is_bounded_by_launching_its_kernels():
+    """Eager PyTorch issues a kernel per op, each costing the CPU about 5 us: 1,000 kernels of a
+    tiny model take 5 ms however fast the device runs them; a large model's compute hides them."""
+    tiny = predict({**report(flops=1e9), "kernels": 1000}, A100)
+    assert tiny.step_s == pytest.approx(1000 * 5e-6) and "bound by launching its kernels" in tiny.line()
+    large = predict({**report(flops=1e15), "kernels": 1000}, A100)
+    assert large.step_s == pytest.approx(1e15 / (312e12 * 0.7)) and "launching" not in large.line()
+
+
 def test_a_dtype_the_device_lacks_is_one_line():
     with pytest.raises(ConfigError, match=r"^rehearse.device='v100': has no bfloat16 peak in conf/devices.yaml "
                                           r"\(the step computes in bfloat16; it lists float16, float32\)$"):
