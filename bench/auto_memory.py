@@ -28,6 +28,14 @@ before the optimizer step and after it, over the first optimizer step (all its m
 rebuild runs its block's whole forward (checkpoint's early stop off: it would end the rebuild inside
 the block, once all the block saves is rebuilt, before the block's forward ends, where the rebuild
 is counted; what is saved is the same). The busiest rank's peak is the one reported.
+
+For the rehearsal (bench/rehearsal.py), `PeakMemory(step=2)` watches the second optimizer step
+instead (the steady state: the optimizer's state exists, the last step's gradients live through
+the first forward) and adds, at the same moments, three parts (EXTRA): buffers (the modules'),
+temporaries (every other tensor the step's ops made and still hold: what the kinds above do not
+count, as the loss's logits before backward, an optimizer's intermediate results), and step_peak
+(the most bytes of all the distinct storages above together). Tensors torch's C++ makes outside
+the dispatcher (DDP's reducer buckets, made before the step) are not seen.
 """
 from __future__ import annotations
 
@@ -55,6 +63,7 @@ sys.path.insert(0, str(ROOT))  # runner/, plugins/ and bench/ when lightfleet is
 from runner.models import ClassifierModule, OptimizerFactory  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer_states", "activations")
+EXTRA = ("buffers", "temporaries", "step_peak")  # PeakMemory(step=2)'s parts besides KINDS
 # Overrides of each model's runs: the built-in GPT and MLP with their data, and this file's model.
 MODELS = {
     "gpt": ["model=gpt", "data=language_model"],
@@ -125,15 +134,18 @@ class Outputs(TorchDispatchMode):
         return out
 
     def alive(self) -> List[torch.Tensor]:
+        self.made = [ref for ref in self.made if ref() is not None]  # a whole step's ops: keep the list short
         return [t for t in (ref() for ref in self.made) if t is not None]
 
 
 class PeakMemory(pl.Callback):
-    """Each kind's peak bytes on this rank over the first optimizer step (module docstring), written
-    to memory.rank<r>.json in the run directory."""
+    """Each kind's peak bytes on this rank over optimizer step `step` (module docstring; the second:
+    EXTRA's parts too), written to memory.rank<r>.json in the run directory."""
 
-    def __init__(self) -> None:
-        self.peak = dict.fromkeys(KINDS, 0)
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self.peak = dict.fromkeys((*KINDS, *EXTRA) if step > 1 else KINDS, 0)
+        self.made: Optional[Outputs] = None  # every tensor the step's ops make (step > 1)
         self.saved: List[weakref.ref] = []
         self.rebuilding: List[Outputs] = []
         self.loss_gradients: List[weakref.ref] = []  # made by the loss's backward, this micro-batch
@@ -155,10 +167,15 @@ class PeakMemory(pl.Callback):
         activations += [t for t in (ref() for ref in self.loss_gradients) if t is not None]
         held["activations"] = {ptr: size for ptr, size in storages(activations).items()
                                if ptr not in held["parameters"] and ptr not in held["gradients"]}
-        if optimizer_states:
+        if optimizer_states or self.made is not None:
             held["optimizer_states"] = storages(
                 t for optimizer in self.trainer.optimizers for state in getattr(optimizer, "optim", optimizer).state.values()
                 for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        if self.made is not None:
+            held["buffers"] = storages(self.trainer.lightning_module.buffers())
+            counted = {ptr for found in held.values() for ptr in found}
+            held["temporaries"] = {ptr: size for ptr, size in storages(self.made.alive()).items() if ptr not in counted}
+            held["step_peak"] = {ptr: size for found in held.values() for ptr, size in found.items()}
         for kind, found in held.items():
             self.peak[kind] = max(self.peak[kind], sum(found.values()))
 
@@ -171,7 +188,16 @@ class PeakMemory(pl.Callback):
         self.sample()
         return tensor
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.hooks is None and trainer.global_step == self.step - 1 and not self.handles:
+            self.watch(trainer, pl_module)
+            if self.step > 1:
+                self.made = Outputs()
+                self.hooks.enter_context(self.made)
+
+    def watch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Hooks on for the watched step."""
         self.trainer = trainer
         # The pipeline's traced stages run copies of the model's modules (recompute's wrappers among them).
         stages = [stage.submod for stage in getattr(trainer.strategy, "stages", [])]
@@ -222,15 +248,16 @@ class PeakMemory(pl.Callback):
             self.rebuilding.pop().__exit__(None, None, None)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.sample()
+        if self.hooks is not None:  # the watched step
+            self.sample()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step < 1 or self.hooks is None:
+        if trainer.global_step < self.step or self.hooks is None:
             return
         self.sample(optimizer_states=True)
         self.hooks.close()
-        self.hooks = None
+        self.hooks, self.made = None, None
         for handle in self.handles:
             handle.remove()
         Path(trainer.default_root_dir, f"memory.rank{trainer.global_rank}.json").write_text(json.dumps(self.peak))
@@ -306,9 +333,12 @@ def estimate_for(overrides: List[str]) -> Dict[str, float]:
     return {**{kind: getattr(memory, kind) for kind in KINDS}, "total": memory.total}
 
 
-def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: Path, timeout: float = 1200) -> None:
+def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: Path, timeout: float = 1200,
+            quiet: List[str] = QUIET) -> None:
     """Each candidate's measured peak bytes by kind (the busiest rank's) into its dict, under
-    "measured"; one the plan refuses gets "refused" (the reason) instead."""
+    "measured"; one the plan refuses gets "refused" (the reason) instead. A candidate's overrides
+    are its "overrides" where it has them, else its "strategies" with their knobs; `quiet`, the
+    runs' common ones."""
     from omegaconf import OmegaConf
 
     from runner.config.checks import validate
@@ -323,8 +353,9 @@ def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: 
         try:
             # As auto runs a candidate: gradient merging's k micro-batches of batch / k.
             batch = [f"data.batch_size={entry['micro_batch']}"] if entry["micro_batch"] != entry["batch_size"] else []
-            spec = validate(compose_config([*MODELS[model], f"trainer.devices={world_size}", *QUIET, *batch,
-                                            *overrides(entry["strategies"]), f"paths.output_dir={run_dir}"]))
+            chosen = entry["overrides"] if "overrides" in entry else overrides(entry["strategies"])
+            spec = validate(compose_config([*MODELS[model], f"trainer.devices={world_size}", *quiet, *batch,
+                                            *chosen, f"paths.output_dir={run_dir}"]))
             plan = plan_for(spec)
         except (ConfigError, Refusal) as refused:
             entry["refused"] = str(refused).splitlines()[0]
@@ -345,7 +376,7 @@ def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: 
         raise RuntimeError(f"the ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     for name, entry in names:
         ranks = [json.loads((workdir / name / f"memory.rank{rank}.json").read_text()) for rank in range(world_size)]
-        entry["measured"] = {kind: max(rank[kind] for rank in ranks) for kind in KINDS}
+        entry["measured"] = {kind: max(rank[kind] for rank in ranks) for kind in ranks[0]}
 
 
 def ratios(entry: Dict[str, Any]) -> Dict[str, Optional[float]]:
