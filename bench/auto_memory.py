@@ -20,8 +20,8 @@ and world size run in one set of ranks (torch.distributed.run), one after anothe
 Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its local
 shard): parameters (the optimizer's and the module's, gathered ones included), gradients, optimizer
 states, and saved activations: what autograd saves for backward (saved_tensors_hooks) and still
-holds, plus, while recompute rebuilds a block in backward, what that block's forward made and still
-holds, and the gradients the loss's backward made and still holds (not seen inside the pipeline's
+holds, plus what recompute's rebuild of a block in backward made and still holds (from the rebuild
+until the block's backward frees it), and the gradients the loss's backward made and still holds (not seen inside the pipeline's
 schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-
 tensor pack or unpack, after each node of the loss's backward, at the end of every module's forward,
 before the optimizer step and after it, over the first optimizer step (all its micro-batches); a
@@ -31,7 +31,8 @@ is counted; what is saved is the same). The busiest rank's peak is the one repor
 
 For the rehearsal (bench/rehearsal.py), `PeakMemory(step=2)` watches the second optimizer step
 instead (the steady state: the optimizer's state exists, the last step's gradients live through
-the first forward) and adds, at the same moments, three parts (EXTRA): buffers (the modules'),
+the first forward), samples after every op of that step as well (the optimizer's intermediates
+exist only inside its step), and adds three parts (EXTRA): buffers (the modules'),
 temporaries (every other tensor the step's ops made and still hold: what the kinds above do not
 count, as the loss's logits before backward, an optimizer's intermediate results), and step_peak
 (the most bytes of all the distinct storages above together). Tensors torch's C++ makes outside
@@ -124,13 +125,16 @@ class Outputs(TorchDispatchMode):
     """Keeps weak references to every tensor the ops make while it is on: what a block's
     recomputation in backward makes and still holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_op: Any = None) -> None:
         super().__init__()
         self.made: List[weakref.ref] = []
+        self.after_op = after_op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self.after_op is not None:
+            self.after_op()
         return out
 
     def alive(self) -> List[torch.Tensor]:
@@ -148,6 +152,7 @@ class PeakMemory(pl.Callback):
         self.made: Optional[Outputs] = None  # every tensor the step's ops make (step > 1)
         self.saved: List[weakref.ref] = []
         self.rebuilding: List[Outputs] = []
+        self.rebuilt: List[Outputs] = []  # rebuilds done, what they made held until their block's backward
         self.loss_gradients: List[weakref.ref] = []  # made by the loss's backward, this micro-batch
         self.output: Any = None  # the model's output's autograd node, this micro-batch
         self.hooks: Any = None
@@ -163,7 +168,7 @@ class PeakMemory(pl.Callback):
         held = {"parameters": storages(parameters),
                 "gradients": storages(p.grad for p in parameters if p.grad is not None)}
         activations = [t for t in (ref() for ref in self.saved) if t is not None]
-        activations += [t for outputs in self.rebuilding for t in outputs.alive()]
+        activations += [t for outputs in (*self.rebuilding, *self.rebuilt) for t in outputs.alive()]
         activations += [t for t in (ref() for ref in self.loss_gradients) if t is not None]
         held["activations"] = {ptr: size for ptr, size in storages(activations).items()
                                if ptr not in held["parameters"] and ptr not in held["gradients"]}
@@ -193,7 +198,7 @@ class PeakMemory(pl.Callback):
         if self.hooks is None and trainer.global_step == self.step - 1 and not self.handles:
             self.watch(trainer, pl_module)
             if self.step > 1:
-                self.made = Outputs()
+                self.made = Outputs(after_op=self.sample)  # every op: the optimizer's intermediates too
                 self.hooks.enter_context(self.made)
 
     def watch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -235,7 +240,7 @@ class PeakMemory(pl.Callback):
         self.sample()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.loss_gradients, self.output = [], None
+        self.loss_gradients, self.output, self.rebuilt = [], None, []
 
     def start_rebuild(self) -> None:
         if torch._C._current_graph_task_id() != -1:  # in backward: checkpoint recomputes the block
@@ -245,7 +250,8 @@ class PeakMemory(pl.Callback):
     def end_rebuild(self) -> None:
         if self.rebuilding and torch._C._current_graph_task_id() != -1:
             self.sample()
-            self.rebuilding.pop().__exit__(None, None, None)
+            self.rebuilt.append(self.rebuilding.pop())
+            self.rebuilt[-1].__exit__(None, None, None)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.hooks is not None:  # the watched step
