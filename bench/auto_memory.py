@@ -31,7 +31,8 @@ is counted; what is saved is the same). The busiest rank's peak is the one repor
 
 For the rehearsal (bench/rehearsal.py), `PeakMemory(step=2)` watches the second optimizer step
 instead (the steady state: the optimizer's state exists, the last step's gradients live through
-the first forward), samples after every op of that step as well (the optimizer's intermediates
+the first forward; a gradient counts while alive, held by its parameter or not, as a pipeline
+holds the last step's through its schedule), samples after every op of that step as well (the optimizer's intermediates
 exist only inside its step), and adds three parts (EXTRA): buffers (the modules'),
 temporaries (every other tensor the step's ops made and still hold: what the kinds above do not
 count, as the loss's logits before backward, an optimizer's intermediate results), and step_peak
@@ -150,6 +151,7 @@ class PeakMemory(pl.Callback):
         self.step = step
         self.peak = dict.fromkeys((*KINDS, *EXTRA) if step > 1 else KINDS, 0)
         self.made: Optional[Outputs] = None  # every tensor the step's ops make (step > 1)
+        self.gradients: Dict[int, weakref.ref] = {}  # every gradient a parameter held this step, while alive
         self.saved: List[weakref.ref] = []
         self.rebuilding: List[Outputs] = []
         self.rebuilt: List[Outputs] = []  # rebuilds done, what they made held until their block's backward
@@ -165,8 +167,11 @@ class PeakMemory(pl.Callback):
 
     def sample(self, optimizer_states: bool = False) -> None:
         parameters = self.parameters()
-        held = {"parameters": storages(parameters),
-                "gradients": storages(p.grad for p in parameters if p.grad is not None)}
+        for p in parameters:
+            if p.grad is not None:
+                self.gradients[id(p.grad)] = weakref.ref(p.grad)
+        self.gradients = {key: ref for key, ref in self.gradients.items() if ref() is not None}
+        held = {"parameters": storages(parameters), "gradients": storages(ref() for ref in self.gradients.values())}
         activations = [t for t in (ref() for ref in self.saved) if t is not None]
         activations += [t for outputs in (*self.rebuilding, *self.rebuilt) for t in outputs.alive()]
         activations += [t for t in (ref() for ref in self.loss_gradients) if t is not None]
@@ -200,6 +205,7 @@ class PeakMemory(pl.Callback):
             if self.step > 1:
                 self.made = Outputs(after_op=self.sample)  # every op: the optimizer's intermediates too
                 self.hooks.enter_context(self.made)
+                self.sample()  # the last step's gradients, before anything drops them from the parameters
 
     def watch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Hooks on for the watched step."""
