@@ -346,11 +346,11 @@ def estimate_for(overrides: List[str]) -> Dict[str, float]:
 
 
 def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: Path, timeout: float = 1200,
-            quiet: List[str] = QUIET) -> None:
+            quiet: List[str] = QUIET, models: Dict[str, List[str]] = MODELS) -> None:
     """Each candidate's measured peak bytes by kind (the busiest rank's) into its dict, under
     "measured"; one the plan refuses gets "refused" (the reason) instead. A candidate's overrides
     are its "overrides" where it has them, else its "strategies" with their knobs; `quiet`, the
-    runs' common ones."""
+    runs' common ones; `models`, each model's."""
     from omegaconf import OmegaConf
 
     from runner.config.checks import validate
@@ -366,7 +366,7 @@ def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: 
             # As auto runs a candidate: gradient merging's k micro-batches of batch / k.
             batch = [f"data.batch_size={entry['micro_batch']}"] if entry["micro_batch"] != entry["batch_size"] else []
             chosen = entry["overrides"] if "overrides" in entry else overrides(entry["strategies"])
-            spec = validate(compose_config([*MODELS[model], f"trainer.devices={world_size}", *quiet, *batch,
+            spec = validate(compose_config([*models[model], f"trainer.devices={world_size}", *quiet, *batch,
                                             *chosen, f"paths.output_dir={run_dir}"]))
             plan = plan_for(spec)
         except (ConfigError, Refusal) as refused:

@@ -103,7 +103,7 @@ def run(model: str, world_size: int, chosen: List[str]) -> List[Dict[str, Any]]:
     listed = [{"label": label, "overrides": overrides, "batch_size": 0, "micro_batch": 0}
               for label, overrides in rows().items() if label in chosen or not chosen]
     with tempfile.TemporaryDirectory() as tmp:
-        measure(model, world_size, listed, Path(tmp) / "real", quiet=REAL, timeout=3600)
+        measure(model, world_size, listed, Path(tmp) / "real", quiet=REAL, models=MODELS, timeout=3600)
         for index, entry in enumerate(listed):
             if "measured" in entry:
                 rehearse(model, world_size, entry, Path(tmp) / f"rehearsed{index:03d}")

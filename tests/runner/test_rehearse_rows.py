@@ -27,12 +27,12 @@ ROWS = {
 def compared(tmp_path_factory) -> List[Dict[str, Any]]:
     """Each row run for real and rehearsed (bench/rehearsal.py's way), one set of ranks for the real runs."""
     from bench.auto_memory import measure
-    from bench.rehearsal import REAL, deviations, rehearse
+    from bench.rehearsal import MODELS, REAL, deviations, rehearse
 
     where = tmp_path_factory.mktemp("rows")
     listed = [{"label": label, "overrides": overrides, "batch_size": 0, "micro_batch": 0}
               for label, overrides in ROWS.items()]
-    measure("gpt", WORLD, listed, where / "real", quiet=REAL)
+    measure("gpt", WORLD, listed, where / "real", quiet=REAL, models=MODELS)
     for index, entry in enumerate(listed):
         rehearse("gpt", WORLD, entry, where / f"rehearsed{index}")
         assert "failed" not in entry, entry
