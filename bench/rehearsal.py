@@ -38,8 +38,11 @@ MODELS = {
 REAL = [*(o for o in QUIET if o != "trainer.max_steps=1"), "trainer.max_steps=2", "+callbacks.memory.step=2"]
 # What each strategy needs to act in a row (as tests/helpers/strategies.py's rows): gradient merging
 # of 2 micro-batches, the optimizer replacements over the optimizer they replace, ZeRO's stage that
-# shards the most (stage 1 beside a pipeline: the schema refuses more).
+# shards the most (stage 1 beside a pipeline: the schema refuses more); amp in bfloat16: float16's
+# loss scaler skips a real run's first steps while its scale overflows (no optimizer state yet at
+# the second), which fake tensors cannot show (the rehearsal's report says so).
 SETTINGS = {
+    "amp": ["strategy.amp.dtype=bfloat16"],
     "gradient_merge": ["strategy.gradient_merge.k_steps=2"],
     "dgc": ["model/optimizer=sgd"],
     "lars": ["model/optimizer=sgd"],
