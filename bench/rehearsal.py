@@ -59,7 +59,8 @@ def rows() -> Dict[str, List[str]]:
     for row in load_table().allowed:
         settings = [o for name in row for o in SETTINGS.get(name, [])]
         if "pipeline" in row and "sharding" in row:
-            settings = [o for o in settings if not o.startswith("strategy.sharding.stage")] + ["strategy.sharding.stage=1"]
+            settings = [o for o in settings if not o.startswith("strategy.sharding.stage")]
+            settings.append("strategy.sharding.stage=1")
         names = sorted(row)
         found["+".join(names)] = [f"strategy=[{','.join(names)}]", *settings]
     return found
@@ -145,7 +146,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2], metavar="N")
-    parser.add_argument("--rows", nargs="+", default=[], metavar="LABEL", help="plain, or a row as a+b (all: none given)")
+    parser.add_argument("--rows", nargs="+", default=[], metavar="LABEL",
+                        help="plain, or a row as a+b, names sorted (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "rehearsal.json")
     args = parser.parse_args(argv)
     from bench.spawning import machine
