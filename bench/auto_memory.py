@@ -20,14 +20,24 @@ and world size run in one set of ranks (torch.distributed.run), one after anothe
 Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its local
 shard): parameters (the optimizer's and the module's, gathered ones included), gradients, optimizer
 states, and saved activations: what autograd saves for backward (saved_tensors_hooks) and still
-holds, plus, while recompute rebuilds a block in backward, what that block's forward made and still
-holds, and the gradients the loss's backward made and still holds (not seen inside the pipeline's
+holds, plus what recompute's rebuild of a block in backward made and still holds (from the rebuild
+until the block's backward frees it), and the gradients the loss's backward made and still holds (not seen inside the pipeline's
 schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-
 tensor pack or unpack, after each node of the loss's backward, at the end of every module's forward,
 before the optimizer step and after it, over the first optimizer step (all its micro-batches); a
 rebuild runs its block's whole forward (checkpoint's early stop off: it would end the rebuild inside
 the block, once all the block saves is rebuilt, before the block's forward ends, where the rebuild
 is counted; what is saved is the same). The busiest rank's peak is the one reported.
+
+For the rehearsal (bench/rehearsal.py), `PeakMemory(step=2)` watches the second optimizer step
+instead (the steady state: the optimizer's state exists, the last step's gradients live through
+the first forward; a gradient counts while alive, held by its parameter or not, as a pipeline
+holds the last step's through its schedule), samples after every op of that step as well (the optimizer's intermediates
+exist only inside its step), and adds three parts (EXTRA): buffers (the modules'),
+temporaries (every other tensor the step's ops made and still hold: what the kinds above do not
+count, as the loss's logits before backward, an optimizer's intermediate results), and step_peak
+(the most bytes of all the distinct storages above together). Tensors torch's C++ makes outside
+the dispatcher (DDP's reducer buckets, made before the step) are not seen.
 """
 from __future__ import annotations
 
@@ -55,6 +65,7 @@ sys.path.insert(0, str(ROOT))  # runner/, plugins/ and bench/ when lightfleet is
 from runner.models import ClassifierModule, OptimizerFactory  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer_states", "activations")
+EXTRA = ("buffers", "temporaries", "step_peak")  # PeakMemory(step=2)'s parts besides KINDS
 # Overrides of each model's runs: the built-in GPT and MLP with their data, and this file's model.
 MODELS = {
     "gpt": ["model=gpt", "data=language_model"],
@@ -115,27 +126,35 @@ class Outputs(TorchDispatchMode):
     """Keeps weak references to every tensor the ops make while it is on: what a block's
     recomputation in backward makes and still holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_op: Any = None) -> None:
         super().__init__()
         self.made: List[weakref.ref] = []
+        self.after_op = after_op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self.after_op is not None:
+            self.after_op()
         return out
 
     def alive(self) -> List[torch.Tensor]:
+        self.made = [ref for ref in self.made if ref() is not None]  # a whole step's ops: keep the list short
         return [t for t in (ref() for ref in self.made) if t is not None]
 
 
 class PeakMemory(pl.Callback):
-    """Each kind's peak bytes on this rank over the first optimizer step (module docstring), written
-    to memory.rank<r>.json in the run directory."""
+    """Each kind's peak bytes on this rank over optimizer step `step` (module docstring; the second:
+    EXTRA's parts too), written to memory.rank<r>.json in the run directory."""
 
-    def __init__(self) -> None:
-        self.peak = dict.fromkeys(KINDS, 0)
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self.peak = dict.fromkeys((*KINDS, *EXTRA) if step > 1 else KINDS, 0)
+        self.made: Optional[Outputs] = None  # every tensor the step's ops make (step > 1)
+        self.gradients: Dict[int, weakref.ref] = {}  # every gradient a parameter held this step, while alive
         self.saved: List[weakref.ref] = []
         self.rebuilding: List[Outputs] = []
+        self.rebuilt: List[Outputs] = []  # rebuilds done, what they made held until their block's backward
         self.loss_gradients: List[weakref.ref] = []  # made by the loss's backward, this micro-batch
         self.output: Any = None  # the model's output's autograd node, this micro-batch
         self.hooks: Any = None
@@ -148,17 +167,25 @@ class PeakMemory(pl.Callback):
 
     def sample(self, optimizer_states: bool = False) -> None:
         parameters = self.parameters()
-        held = {"parameters": storages(parameters),
-                "gradients": storages(p.grad for p in parameters if p.grad is not None)}
+        for p in parameters:
+            if p.grad is not None:
+                self.gradients[id(p.grad)] = weakref.ref(p.grad)
+        self.gradients = {key: ref for key, ref in self.gradients.items() if ref() is not None}
+        held = {"parameters": storages(parameters), "gradients": storages(ref() for ref in self.gradients.values())}
         activations = [t for t in (ref() for ref in self.saved) if t is not None]
-        activations += [t for outputs in self.rebuilding for t in outputs.alive()]
+        activations += [t for outputs in (*self.rebuilding, *self.rebuilt) for t in outputs.alive()]
         activations += [t for t in (ref() for ref in self.loss_gradients) if t is not None]
         held["activations"] = {ptr: size for ptr, size in storages(activations).items()
                                if ptr not in held["parameters"] and ptr not in held["gradients"]}
-        if optimizer_states:
+        if optimizer_states or self.made is not None:
             held["optimizer_states"] = storages(
                 t for optimizer in self.trainer.optimizers for state in getattr(optimizer, "optim", optimizer).state.values()
                 for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        if self.made is not None:
+            held["buffers"] = storages(self.trainer.lightning_module.buffers())
+            counted = {ptr for found in held.values() for ptr in found}
+            held["temporaries"] = {ptr: size for ptr, size in storages(self.made.alive()).items() if ptr not in counted}
+            held["step_peak"] = {ptr: size for found in held.values() for ptr, size in found.items()}
         for kind, found in held.items():
             self.peak[kind] = max(self.peak[kind], sum(found.values()))
 
@@ -171,7 +198,17 @@ class PeakMemory(pl.Callback):
         self.sample()
         return tensor
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.hooks is None and trainer.global_step == self.step - 1 and not self.handles:
+            self.watch(trainer, pl_module)
+            if self.step > 1:
+                self.made = Outputs(after_op=self.sample)  # every op: the optimizer's intermediates too
+                self.hooks.enter_context(self.made)
+                self.sample()  # the last step's gradients, before anything drops them from the parameters
+
+    def watch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Hooks on for the watched step."""
         self.trainer = trainer
         # The pipeline's traced stages run copies of the model's modules (recompute's wrappers among them).
         stages = [stage.submod for stage in getattr(trainer.strategy, "stages", [])]
@@ -209,7 +246,7 @@ class PeakMemory(pl.Callback):
         self.sample()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.loss_gradients, self.output = [], None
+        self.loss_gradients, self.output, self.rebuilt = [], None, []
 
     def start_rebuild(self) -> None:
         if torch._C._current_graph_task_id() != -1:  # in backward: checkpoint recomputes the block
@@ -219,18 +256,20 @@ class PeakMemory(pl.Callback):
     def end_rebuild(self) -> None:
         if self.rebuilding and torch._C._current_graph_task_id() != -1:
             self.sample()
-            self.rebuilding.pop().__exit__(None, None, None)
+            self.rebuilt.append(self.rebuilding.pop())
+            self.rebuilt[-1].__exit__(None, None, None)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.sample()
+        if self.hooks is not None:  # the watched step
+            self.sample()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step < 1 or self.hooks is None:
+        if trainer.global_step < self.step or self.hooks is None:
             return
         self.sample(optimizer_states=True)
         self.hooks.close()
-        self.hooks = None
+        self.hooks, self.made = None, None
         for handle in self.handles:
             handle.remove()
         Path(trainer.default_root_dir, f"memory.rank{trainer.global_rank}.json").write_text(json.dumps(self.peak))
@@ -306,9 +345,12 @@ def estimate_for(overrides: List[str]) -> Dict[str, float]:
     return {**{kind: getattr(memory, kind) for kind in KINDS}, "total": memory.total}
 
 
-def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: Path, timeout: float = 1200) -> None:
+def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: Path, timeout: float = 1200,
+            quiet: List[str] = QUIET, models: Dict[str, List[str]] = MODELS) -> None:
     """Each candidate's measured peak bytes by kind (the busiest rank's) into its dict, under
-    "measured"; one the plan refuses gets "refused" (the reason) instead."""
+    "measured"; one the plan refuses gets "refused" (the reason) instead. A candidate's overrides
+    are its "overrides" where it has them, else its "strategies" with their knobs; `quiet`, the
+    runs' common ones; `models`, each model's."""
     from omegaconf import OmegaConf
 
     from runner.config.checks import validate
@@ -323,8 +365,9 @@ def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: 
         try:
             # As auto runs a candidate: gradient merging's k micro-batches of batch / k.
             batch = [f"data.batch_size={entry['micro_batch']}"] if entry["micro_batch"] != entry["batch_size"] else []
-            spec = validate(compose_config([*MODELS[model], f"trainer.devices={world_size}", *QUIET, *batch,
-                                            *overrides(entry["strategies"]), f"paths.output_dir={run_dir}"]))
+            chosen = entry["overrides"] if "overrides" in entry else overrides(entry["strategies"])
+            spec = validate(compose_config([*models[model], f"trainer.devices={world_size}", *quiet, *batch,
+                                            *chosen, f"paths.output_dir={run_dir}"]))
             plan = plan_for(spec)
         except (ConfigError, Refusal) as refused:
             entry["refused"] = str(refused).splitlines()[0]
@@ -345,7 +388,7 @@ def measure(model: str, world_size: int, listed: List[Dict[str, Any]], workdir: 
         raise RuntimeError(f"the ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     for name, entry in names:
         ranks = [json.loads((workdir / name / f"memory.rank{rank}.json").read_text()) for rank in range(world_size)]
-        entry["measured"] = {kind: max(rank[kind] for rank in ranks) for kind in KINDS}
+        entry["measured"] = {kind: max(rank[kind] for rank in ranks) for kind in ranks[0]}
 
 
 def ratios(entry: Dict[str, Any]) -> Dict[str, Optional[float]]:
