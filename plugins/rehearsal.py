@@ -94,7 +94,18 @@ def to_device(module: nn.Module, device: torch.device) -> None:
     at teardown) are no-ops, since torch swaps a fake parameter for its moved copy and refuses
     once fake mode has seen it (a weak reference), and one fake device stands for all."""
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        # to_empty gives each module its own copy of a shared parameter: tie them again (a head
+        # tied to the token embedding is one parameter in a run, sharded and gathered once).
+        first: Dict[int, str] = {}
+        ties = []
+        for name, parameter in module.named_parameters(remove_duplicate=False):
+            if id(parameter) in first:
+                ties.append((name, first[id(parameter)]))
+            first.setdefault(id(parameter), name)
         module.to_empty(device=device)
+        for name, original in ties:
+            owner, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(owner), attribute, module.get_parameter(original))
         module._apply = lambda fn, recurse=True: module
     else:
         module.to(device)

@@ -105,6 +105,19 @@ def test_fake_tensors_hold_no_memory_and_the_hooks_are_no_ops_outside():
         model.cpu()
 
 
+def test_a_tied_parameter_stays_one_parameter_on_the_rehearsed_device():
+    """A head tied to the token embedding (GPT-2's) is one parameter in a run; module.to_empty gives
+    each module its own copy, which a rehearsal would shard, gather and count twice."""
+    from plugins import rehearsal
+
+    with rehearsal.real_tensors(), torch.device("meta"):
+        model = nn.ModuleDict({"embedding": nn.Embedding(16, 8), "head": nn.Linear(8, 16, bias=False)})
+    model["head"].weight = model["embedding"].weight
+    with rehearsal.fake_tensors():
+        rehearsal.to_device(model, torch.device("cpu"))
+        assert model["head"].weight is model["embedding"].weight and len(list(model.parameters())) == 1
+
+
 def test_flops_by_dtype_and_memory_traffic_of_a_step():
     from plugins import rehearsal
 
