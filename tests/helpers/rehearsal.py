@@ -26,3 +26,15 @@ def rehearse(run_dir: Path, overrides: List[str], rank: int, steps: int = 2,
                            "--steps", str(steps), "--device-type", device_type, "--out", str(out)],
                           env=command_env(), capture_output=True, text=True, timeout=600)
     return done, json.loads(out.read_text()) if done.returncode == 0 else None
+
+
+def zero_partition(param_groups: List[Dict[str, Any]], world: int) -> Tuple[List[int], List[int]]:
+    """ZeroRedundancyOptimizer's partition, written out: whole tensors, each group's largest first,
+    each to the rank holding the fewest elements so far. (elements per rank, tensors per rank)."""
+    held, counts = [0] * world, [0] * world
+    for group in param_groups:
+        for parameter in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
+            rank = held.index(min(held))
+            held[rank] += parameter.numel()
+            counts[rank] += 1
+    return held, counts

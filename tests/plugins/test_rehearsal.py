@@ -185,6 +185,23 @@ def test_rehearsed_ddp_buckets_and_hooks_send_what_ddp_sends(fake_world, hook, w
                                           "bytes": gradient_bytes * wire_bytes // 4}]
 
 
+def test_rehearsed_ddp_under_bucket_views_holds_one_copy_of_the_gradients(fake_world):
+    """gradient_as_bucket_view (ZeRO stage 1's DDP): the buckets are the gradients, each copied in
+    as autograd makes it, as DDP's reducer does; no second copy held as buffers."""
+    from plugins import rehearsal
+
+    fake_world(0, 4)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 10))
+    with rehearsal.fake_tensors():
+        model.to_empty(device="cpu")
+        wrapped = rehearsal.RehearsedDDP(model, gradient_as_bucket_view=True)
+        wrapped(torch.randn(2, 512)).sum().backward()
+    assert not list(wrapped.buffers())
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert storages == {flat.untyped_storage().data_ptr() for flat in wrapped.flats}
+
+
 def test_memory_tracking_over_micro_batches_counts_each_part():
     from plugins import rehearsal
 

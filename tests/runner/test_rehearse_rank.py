@@ -13,7 +13,7 @@ import pytest
 
 from runner.config.checks import validate
 from runner.config.compose import compose_config
-from tests.helpers.rehearsal import rehearse
+from tests.helpers.rehearsal import rehearse, zero_partition
 
 pytestmark = pytest.mark.slow
 
@@ -169,13 +169,7 @@ def test_zero_stage1_names_the_rank_holding_the_most_optimizer_state(tmp_path):
     with torch.device("meta"):
         optimizer = instantiate(spec.cfg.model, _convert_="all").configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    # ZeroRedundancyOptimizer's partition: whole tensors, the largest first, each to the rank holding least.
-    held, counts = [0] * world, [0] * world
-    for group in optimizer.param_groups:
-        for parameter in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
-            rank = held.index(min(held))
-            held[rank] += parameter.numel()
-            counts[rank] += 1
+    held, counts = zero_partition(optimizer.param_groups, world)
     heaviest = held.index(max(held))
     done, report = rehearse(tmp_path / "run", overrides, rank=heaviest)
     assert done.returncode == 0, done.stderr[-3000:]
