@@ -424,6 +424,8 @@ class CudaRulesOnCpu(TorchFunctionMode):
         from plugins.auto import fused_attention
 
         kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            return self.backward(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return fused_attention(*args, **kwargs)
         if func in CUDA_FLOAT32 and torch.is_autocast_enabled("cpu"):
@@ -431,3 +433,14 @@ class CudaRulesOnCpu(TorchFunctionMode):
             with torch.autocast("cpu", enabled=False):
                 return func(*as_float, **kwargs)
         return func(*args, **kwargs)
+
+    def backward(self, tensor: torch.Tensor, gradient: Optional[torch.Tensor] = None, retain_graph: Optional[bool] = None,
+                 create_graph: bool = False, inputs: Any = None) -> None:
+        """`tensor.backward()` under these rules: recompute's forward runs inside the backward and
+        must save what the forward saved. (This mode is off while it handles a call, and
+        torch.autograd.backward would hand the call to it again: the engine is called directly.)"""
+        gradient = torch.ones_like(tensor) if gradient is None else gradient
+        with self:
+            torch.autograd.Variable._execution_engine.run_backward(
+                (tensor,), (gradient,), create_graph if retain_graph is None else retain_graph, create_graph,
+                tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True)

@@ -30,6 +30,7 @@ PRIVATE_API = [
     ("torch.distributed.optim.ZeroRedundancyOptimizer", "_partition_parameters"),
     ("torch.distributed.fsdp.FSDPModule", "_get_fsdp_state"),
     ("torch.autograd.Variable._execution_engine", "queue_callback"),
+    ("torch.autograd.Variable._execution_engine", "run_backward"),
 ]
 # MemTracker's categories the report's parts are made of.
 MEMTRACKER_CATEGORIES = {"Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other"}
@@ -247,6 +248,25 @@ def test_cuda_rules_on_cpu_keep_cuda_float32_ops_and_no_attention_matrix():
     cuda_saved, cuda_dtype = run(rehearsal.CudaRulesOnCpu())
     assert (cpu_dtype, cuda_dtype) == (torch.bfloat16, torch.float32)  # CUDA's autocast keeps softmax in float32
     assert cuda_saved < attention_matrix  # the fused kernel keeps no sequence x sequence matrix
+
+
+def test_recompute_under_cuda_rules_recomputes_as_the_forward_computed():
+    """A checkpointed block's recomputation runs inside backward: under the same rules, or it saves
+    other tensors than its forward did (torch's CheckpointError; every recompute rehearsal for a GPU
+    stopped there)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from plugins import rehearsal
+
+    def block(x):
+        return F.softmax(F.scaled_dot_product_attention(x, x, x, is_causal=True), -1)
+
+    with rehearsal.fake_tensors(), rehearsal.CudaRulesOnCpu():
+        x = torch.randn(1, 2, 64, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = checkpoint(block, x, use_reentrant=False)
+        out.float().sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
 
 
 def test_a_dtensor_op_counts_as_its_local_ops_and_collectives(fake_world):
