@@ -121,3 +121,20 @@ def test_a_tied_head_is_sharded_gathered_and_rehearsed_once(lightfleet, tmp_path
     expected = {"all_gather": 2 * FLOAT * shard, "reduce_scatter": 2 * FLOAT * shard}
     assert {row["op"]: row["bytes"] for row in counted["collectives"]} == expected
     assert {row["op"]: row["bytes"] for row in report["collectives"]} == expected
+
+
+def test_llama3_8b_on_64_a100s_is_predicted_within_a_quarter_of_torchtitans_rate(tmp_path):
+    """torchtitan's Llama 3 8B on 64 A100 80 GB (docs/performance.md: local batch 1, sequence 8,192,
+    every other layer checkpointed, 2,904 tokens/s per GPU, MFU 56.8%), rehearsed for the GPU (about
+    a minute in the rank on 2 cores) and its report fed to the prediction."""
+    from bench.rehearsal_published import RUNS, model_flops_per_token
+    from runner.core.prediction import load_devices, predict
+
+    overrides, published = RUNS["llama3_8b"]
+    done, report = rehearse(tmp_path / "run", overrides, rank=0, device_type="cuda")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert report["tokens_per_step"] == 8192 and report["world_size"] == 64
+    predicted = predict(report, load_devices()["a100"],
+                        model_flops=model_flops_per_token(overrides) * report["tokens_per_step"])
+    assert abs(predicted.tokens_per_s_per_gpu / published["tokens_per_s_per_gpu"] - 1) <= 0.25, predicted.line()
+    assert abs(predicted.mfu / published["mfu"] - 1) <= 0.25, predicted.line()
