@@ -28,9 +28,10 @@ sys.path.insert(0, str(ROOT))  # runner/ when lightfleet is not installed
 
 # Llama 3's sizes (Meta's model cards), untied head, one sequence of 8,192 tokens a rank, bfloat16
 # parameters gathered, float32 gradients reduced (torchtitan's FSDP2 defaults), FSDP over all ranks.
-LLAMA3 = ["model=causal_lm", "model.family=llama", "model.vocab_size=128256", "model.n_kv_heads=8",
-          "model.tie_embeddings=false", "data=language_model", "data.batch_size=1", "data.num_train=128",
-          "data.num_val=8", "data.num_test=8", "strategy.amp.dtype=bfloat16", "strategy.sharding.stage=3"]
+LLAMA = ["model=causal_lm", "model.family=llama", "model.n_kv_heads=8", "model.tie_embeddings=false",
+         "data=language_model", "data.num_val=8", "data.num_test=8", "strategy.amp.dtype=bfloat16",
+         "strategy.sharding.stage=3"]
+LLAMA3 = [*LLAMA, "model.vocab_size=128256", "data.batch_size=1", "data.num_train=128"]
 SIZES_8B = ["model.d_model=4096", "model.n_layers=32", "model.n_heads=32", "model.ffn_dim=14336"]
 SIZES_70B = ["model.d_model=8192", "model.n_layers=80", "model.n_heads=64", "model.ffn_dim=28672"]
 A100_64 = ["trainer.devices=8", "trainer.num_nodes=8", "rehearse.device=a100"]
@@ -49,14 +50,10 @@ RUNS: Dict[str, Any] = {
     # the 7B/13B, 8 key/value heads in the 70B), local batch 2 of 4,096 tokens, every layer
     # checkpointed: fits (353 tokens/s, MFU 50.5%); Llama 3.1 405B on 128 H100 under FSDP alone,
     # local batch 2, every layer checkpointed: out of memory.
-    "llama2_70b_batch2": (["model=causal_lm", "model.family=llama", "model.vocab_size=32000", "model.n_kv_heads=8",
-                           "model.tie_embeddings=false", "data=language_model", "data.batch_size=2",
-                           "data.num_train=256", "data.num_val=8", "data.num_test=8", "strategy.amp.dtype=bfloat16",
-                           "strategy.sharding.stage=3", *SIZES_70B, *A100_64, "data.seq_len=4096",
-                           "strategy=[amp,recompute,sharding]"],
+    "llama2_70b_batch2": ([*LLAMA, "model.vocab_size=32000", "data.batch_size=2", "data.num_train=256", *SIZES_70B,
+                           *A100_64, "data.seq_len=4096", "strategy=[amp,recompute,sharding]"],
                           {"fits": True, "tokens_per_s_per_gpu": 353, "mfu": 0.505}),
-    "llama31_405b_fsdp_only": ([*LLAMA3[:-4], "data.batch_size=2", "data.num_train=512", "data.num_val=8",
-                                "data.num_test=8", "strategy.amp.dtype=bfloat16", "strategy.sharding.stage=3",
+    "llama31_405b_fsdp_only": ([*LLAMA, "model.vocab_size=128256", "data.batch_size=2", "data.num_train=512",
                                 "model.d_model=16384", "model.n_layers=126", "model.n_heads=128",
                                 "model.ffn_dim=53248", "trainer.devices=8", "trainer.num_nodes=16",
                                 "rehearse.device=h100", "data.seq_len=8192", "strategy=[amp,recompute,sharding]"],
