@@ -94,7 +94,18 @@ def to_device(module: nn.Module, device: torch.device) -> None:
     at teardown) are no-ops, since torch swaps a fake parameter for its moved copy and refuses
     once fake mode has seen it (a weak reference), and one fake device stands for all."""
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        # to_empty gives each module its own copy of a shared parameter: tie them again (a head
+        # tied to the token embedding is one parameter in a run, sharded and gathered once).
+        first: Dict[int, str] = {}
+        ties = []
+        for name, parameter in module.named_parameters(remove_duplicate=False):
+            if id(parameter) in first:
+                ties.append((name, first[id(parameter)]))
+            first.setdefault(id(parameter), name)
         module.to_empty(device=device)
+        for name, original in ties:
+            owner, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(owner), attribute, module.get_parameter(original))
         module._apply = lambda fn, recurse=True: module
     else:
         module.to(device)
@@ -164,8 +175,9 @@ FIRST_BUCKET_MB = 1  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BU
 class RehearsedDDP(DistributedDataParallel):
     """DistributedDataParallel as a rehearsal runs it (DDP's C++ reducer cannot run on fake
     tensors): the same buckets (parameters in reverse order, each closed once it holds DDP's first
-    bucket's 1 MB, then `bucket_cap_mb`; a flat buffer each, a second copy of the gradients unless
-    `gradient_as_bucket_view`, held as buffers so that the tracker counts them), reduced once a
+    bucket's 1 MB, then `bucket_cap_mb`; a flat buffer each, held as buffers so that the tracker
+    counts them: a second copy of the gradients; under `gradient_as_bucket_view` the gradients
+    themselves, each copied in as autograd makes it, as DDP's reducer does), reduced once a
     synchronised backward has made the gradients, each through the registered communication hook
     (DDP's all-reduce of the average by default). DDP overlaps them with backward; the bytes and
     collectives are the same. A DDP to whoever asks (Lightning's strategy, the pipeline's stages:
@@ -193,11 +205,19 @@ class RehearsedDDP(DistributedDataParallel):
             self.buckets[-1].append(parameter)
             size += parameter.nbytes
         self.views = gradient_as_bucket_view
+        self.flats: List[torch.Tensor] = []  # the buckets under gradient_as_bucket_view: the gradients
+        self.slots: Dict[int, Tuple[int, int]] = {}  # a parameter's id -> (its bucket, its offset there)
         for index, parameters in enumerate(self.buckets):
             flat = torch.empty(sum(p.numel() for p in parameters), dtype=parameters[0].dtype,
                                device=parameters[0].device)
-            self.register_buffer(f"bucket_{index}", flat, persistent=False)
+            if self.views:
+                self.flats.append(flat)
+            else:
+                self.register_buffer(f"bucket_{index}", flat, persistent=False)
+            offset = 0
             for parameter in parameters:
+                self.slots[id(parameter)] = (index, offset)
+                offset += parameter.numel()
                 parameter.register_post_accumulate_grad_hook(self._gradient_ready)
         self._queued = False
 
@@ -211,19 +231,27 @@ class RehearsedDDP(DistributedDataParallel):
         return {}
 
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
+        if self.views and parameter.grad is not None:  # autograd's own gradient lives only until here
+            index, offset = self.slots[id(parameter)]
+            view = self._flat(index)[offset:offset + parameter.numel()].view_as(parameter)
+            if parameter.grad.data_ptr() != view.data_ptr():
+                parameter.grad = view.copy_(parameter.grad)
         if self.require_backward_grad_sync and not self._queued:  # once per backward, at its end
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def _flat(self, index: int) -> torch.Tensor:
+        return self.flats[index] if self.views else getattr(self, f"bucket_{index}")
 
     def _reduce(self) -> None:
         self._queued = False
         with CompletedWork():
             for index, parameters in enumerate(self.buckets):
-                flat = getattr(self, f"bucket_{index}")
+                flat = self._flat(index)
                 offset = 0
                 for parameter in parameters:
                     size = parameter.numel()
-                    if parameter.grad is not None:
+                    if parameter.grad is not None and not self.views:  # views: the bucket holds them
                         flat[offset:offset + size].copy_(parameter.grad.reshape(-1))
                     offset += size
                 reduced = self.hook(self.hook_state, Bucket(index, flat, parameters, index == len(self.buckets) - 1))
@@ -398,6 +426,8 @@ class CudaRulesOnCpu(TorchFunctionMode):
         from plugins.auto import fused_attention
 
         kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            return self.backward(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return fused_attention(*args, **kwargs)
         if func in CUDA_FLOAT32 and torch.is_autocast_enabled("cpu"):
@@ -405,3 +435,14 @@ class CudaRulesOnCpu(TorchFunctionMode):
             with torch.autocast("cpu", enabled=False):
                 return func(*as_float, **kwargs)
         return func(*args, **kwargs)
+
+    def backward(self, tensor: torch.Tensor, gradient: Optional[torch.Tensor] = None, retain_graph: Optional[bool] = None,
+                 create_graph: bool = False, inputs: Any = None) -> None:
+        """`tensor.backward()` under these rules: recompute's forward runs inside the backward and
+        must save what the forward saved. (This mode is off while it handles a call, and
+        torch.autograd.backward would hand the call to it again: the engine is called directly.)"""
+        gradient = torch.ones_like(tensor) if gradient is None else gradient
+        with self:
+            torch.autograd.Variable._execution_engine.run_backward(
+                (tensor,), (gradient,), create_graph if retain_graph is None else retain_graph, create_graph,
+                tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True)

@@ -144,7 +144,9 @@ def shard_units(root: nn.Module, segment_bytes: float) -> List[List[str]]:
     modules holding it: its blocks are what the model's forward calls (a model may call its
     blocks in a loop without calling the list or a wrapper around it: FSDP gathers a unit's
     parameters when the forward of one of its modules runs). Parameters left outside every unit
-    go to the root."""
+    go to the root. A module holding a parameter an earlier unit holds (a head tied to the token
+    embedding) joins that unit: FSDP2 shards a parameter in one unit only, and refuses at the
+    first forward a tied one that two units hold."""
     found = repeated_block_list(root)
     blocks = found[0] if found else None
     atoms: List[str] = []
@@ -162,12 +164,19 @@ def shard_units(root: nn.Module, segment_bytes: float) -> List[List[str]]:
 
     walk(root, "")
     units: List[List[str]] = []
+    unit_of: Dict[int, List[str]] = {}  # a parameter's id -> the unit holding it
     size = segment_bytes
     for name in atoms:
+        params = list(root.get_submodule(name).parameters())
+        tied = next((unit_of[id(p)] for p in params if id(p) in unit_of), None)
+        if tied is not None:
+            tied.append(name)
+            continue
         if size >= segment_bytes:
             units.append([])
             size = 0
         units[-1].append(name)
+        unit_of.update((id(p), units[-1]) for p in params)
         size += param_bytes(root.get_submodule(name))
     return units
 

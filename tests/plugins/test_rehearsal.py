@@ -30,6 +30,7 @@ PRIVATE_API = [
     ("torch.distributed.optim.ZeroRedundancyOptimizer", "_partition_parameters"),
     ("torch.distributed.fsdp.FSDPModule", "_get_fsdp_state"),
     ("torch.autograd.Variable._execution_engine", "queue_callback"),
+    ("torch.autograd.Variable._execution_engine", "run_backward"),
 ]
 # MemTracker's categories the report's parts are made of.
 MEMTRACKER_CATEGORIES = {"Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other"}
@@ -105,6 +106,19 @@ def test_fake_tensors_hold_no_memory_and_the_hooks_are_no_ops_outside():
         model.cpu()
 
 
+def test_a_tied_parameter_stays_one_parameter_on_the_rehearsed_device():
+    """A head tied to the token embedding (GPT-2's) is one parameter in a run; module.to_empty gives
+    each module its own copy, which a rehearsal would shard, gather and count twice."""
+    from plugins import rehearsal
+
+    with rehearsal.real_tensors(), torch.device("meta"):
+        model = nn.ModuleDict({"embedding": nn.Embedding(16, 8), "head": nn.Linear(8, 16, bias=False)})
+    model["head"].weight = model["embedding"].weight
+    with rehearsal.fake_tensors():
+        rehearsal.to_device(model, torch.device("cpu"))
+        assert model["head"].weight is model["embedding"].weight and len(list(model.parameters())) == 1
+
+
 def test_flops_by_dtype_and_memory_traffic_of_a_step():
     from plugins import rehearsal
 
@@ -172,6 +186,23 @@ def test_rehearsed_ddp_buckets_and_hooks_send_what_ddp_sends(fake_world, hook, w
                                           "bytes": gradient_bytes * wire_bytes // 4}]
 
 
+def test_rehearsed_ddp_under_bucket_views_holds_one_copy_of_the_gradients(fake_world):
+    """gradient_as_bucket_view (ZeRO stage 1's DDP): the buckets are the gradients, each copied in
+    as autograd makes it, as DDP's reducer does; no second copy held as buffers."""
+    from plugins import rehearsal
+
+    fake_world(0, 4)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 10))
+    with rehearsal.fake_tensors():
+        model.to_empty(device="cpu")
+        wrapped = rehearsal.RehearsedDDP(model, gradient_as_bucket_view=True)
+        wrapped(torch.randn(2, 512)).sum().backward()
+    assert not list(wrapped.buffers())
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert storages == {flat.untyped_storage().data_ptr() for flat in wrapped.flats}
+
+
 def test_memory_tracking_over_micro_batches_counts_each_part():
     from plugins import rehearsal
 
@@ -217,6 +248,25 @@ def test_cuda_rules_on_cpu_keep_cuda_float32_ops_and_no_attention_matrix():
     cuda_saved, cuda_dtype = run(rehearsal.CudaRulesOnCpu())
     assert (cpu_dtype, cuda_dtype) == (torch.bfloat16, torch.float32)  # CUDA's autocast keeps softmax in float32
     assert cuda_saved < attention_matrix  # the fused kernel keeps no sequence x sequence matrix
+
+
+def test_recompute_under_cuda_rules_recomputes_as_the_forward_computed():
+    """A checkpointed block's recomputation runs inside backward: under the same rules, or it saves
+    other tensors than its forward did (torch's CheckpointError; every recompute rehearsal for a GPU
+    stopped there)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from plugins import rehearsal
+
+    def block(x):
+        return F.softmax(F.scaled_dot_product_attention(x, x, x, is_causal=True), -1)
+
+    with rehearsal.fake_tensors(), rehearsal.CudaRulesOnCpu():
+        x = torch.randn(1, 2, 64, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = checkpoint(block, x, use_reentrant=False)
+        out.float().sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
 
 
 def test_a_dtensor_op_counts_as_its_local_ops_and_collectives(fake_world):

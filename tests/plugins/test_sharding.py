@@ -231,6 +231,17 @@ def test_units_never_stop_at_a_module_whose_forward_the_model_skips():
                                               "library.layers.2", "head"]]
 
 
+def test_a_tied_parameter_is_one_units():
+    """FSDP2 shards a parameter in one unit only: a head tied to the token embedding joins the
+    embedding's unit (torch refuses at the first forward a tied parameter that two units hold)."""
+    gpt = GPTDecoder(d_model=64, n_layers=2)
+    gpt.head.weight = gpt.token_embedding.weight
+    units = shard_units(gpt, 0.1 * 2 ** 20)
+    holding = [unit for unit in units if "token_embedding" in unit or "head" in unit]
+    assert len(holding) == 1 and holding[0][-1] == "head"
+    assert [name for unit in units for name in unit if name != "head"][-1] == "ln_f"
+
+
 # --------------------------------------------------------------------------- 2 processes
 
 

@@ -6,39 +6,20 @@ flat-shard formula; a tensor-parallel degree the model cannot take refused in on
 rank of the real run refuses it; the first and last pipeline stages told apart."""
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from runner.command.planning import plan_for
 from runner.config.checks import validate
 from runner.config.compose import compose_config
-from runner.records.run_dir import create_run_dir
-from tests.helpers.commands import command_env
+from tests.helpers.rehearsal import rehearse, zero_partition
 
 pytestmark = pytest.mark.slow
 
 GPT = ["model=gpt", "data=language_model"]
 QUIET = ["logger=none", "callbacks=none", "trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
          "trainer.enable_model_summary=false", "trainer.limit_val_batches=0", "trainer.max_steps=1"]
-
-
-def rehearse(run_dir: Path, overrides: List[str], rank: int, steps: int = 2,
-             device_type: str = "cpu") -> Tuple[subprocess.CompletedProcess, Optional[Dict[str, Any]]]:
-    """The rank's process over a run directory the command would write; (the process, its report)."""
-    if not run_dir.exists():
-        spec = validate(compose_config([*overrides, f"paths.output_dir={run_dir}"]))
-        create_run_dir(spec.cfg, plan_for(spec), ["lightfleet", "rehearse", *overrides], run_dir)
-    out = run_dir / f"rank{rank}.json"
-    done = subprocess.run([sys.executable, "-m", "runner.rank.rehearse", str(run_dir), "--rank", str(rank),
-                           "--steps", str(steps), "--device-type", device_type, "--out", str(out)],
-                          env=command_env(), capture_output=True, text=True, timeout=600)
-    return done, json.loads(out.read_text()) if done.returncode == 0 else None
 
 
 def gpt_parameter_shapes() -> List[Tuple[int, ...]]:
@@ -188,13 +169,7 @@ def test_zero_stage1_names_the_rank_holding_the_most_optimizer_state(tmp_path):
     with torch.device("meta"):
         optimizer = instantiate(spec.cfg.model, _convert_="all").configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    # ZeroRedundancyOptimizer's partition: whole tensors, the largest first, each to the rank holding least.
-    held, counts = [0] * world, [0] * world
-    for group in optimizer.param_groups:
-        for parameter in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
-            rank = held.index(min(held))
-            held[rank] += parameter.numel()
-            counts[rank] += 1
+    held, counts = zero_partition(optimizer.param_groups, world)
     heaviest = held.index(max(held))
     done, report = rehearse(tmp_path / "run", overrides, rank=heaviest)
     assert done.returncode == 0, done.stderr[-3000:]
