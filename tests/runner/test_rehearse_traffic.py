@@ -1,6 +1,6 @@
 """Issue 42's collective bytes: the rehearsal's payload per (op, group) per step equals what the
 strategies count in real 2-process runs (measure.traffic=true, plugins/traffic.py). The real runs
-are tests/plugins/test_traffic.py's (its fixture, made once per module); the same configs are
+are tests/plugins/test_traffic.py's (tests/helpers/traffic.py's fixture, made once per module); the same configs are
 rehearsed at 2 fake processes, and the rehearsal's step (its second, the steady state) is set
 beside the real run's second step, rank by rank. Payload is the bytes a rank contributes: an
 all-gather's input, a reduce-scatter's and an all-reduce's whole input (docs/rehearse.md)."""
@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from tests.plugins.test_traffic import COMMON, ROWS, traffic_of  # noqa: F401 (the real runs' fixture)
-from tests.runner.test_rehearse_rank import rehearse
+from tests.helpers.rehearsal import rehearse
+from tests.helpers.traffic import COMMON, ROWS, traffic_of  # noqa: F401 (the real runs' fixture)
 
 pytestmark = pytest.mark.slow
 
