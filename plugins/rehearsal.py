@@ -7,6 +7,10 @@ Everything private lives here, as Hydra's does in runner/config/hydra_api.py:
 tests/plugins/test_rehearsal.py fails loudly, naming the import, when torch moves one of them.
 The real code's hooks ask this module (`real_tensors`, `on_meta_while_fake`, `to_device`) and are
 no-ops outside a rehearsal.
+
+Over 400 lines on purpose: shared/DESIGN.md keeps torch's private API behind ONE adapter module,
+with one test naming every private name; the rehearsed DDP, the trackers and the step counter all
+lean on that API, so splitting them would spread it over several modules.
 """
 from __future__ import annotations
 

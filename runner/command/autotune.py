@@ -12,6 +12,10 @@ Decided once, before any rank of the run starts, so every rank trains the same c
     auto/rehearsals/<k>/     the rehearsals' run directories, each with its rehearsal.yaml
 
 With dry_run=true, `preview` says what auto knows and would do, and nothing is written or trained.
+
+Over 400 lines: one orchestration of auto's three judges (DESIGN.md: one interface, not a branch
+per mode) and the records they share; each judge's own work lives with its mode (trials in
+runner/strategies/_auto_search.py, rehearsals in runner/command/rehearse.py).
 """
 from __future__ import annotations
 
