@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 # --- torch's private API: every name a rehearsal uses, imported here and nowhere else.
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
@@ -79,6 +79,14 @@ def real_tensors() -> contextlib.AbstractContextManager:
     """Fake tensors off for a while: device meshes (their creation runs a data-dependent op), the
     model's construction, reading the batch. A no-op outside a rehearsal."""
     return unset_fake_temporarily()
+
+
+def as_fake(tree: Any) -> Any:
+    """`tree` (a batch read on real tensors) with its real tensors made fake tensors of the running
+    rehearsal, as the step's own are: the memory tracker then counts the batch where the step keeps
+    it (the loss's targets), as it did when the data module's data was made on fake tensors."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    return tree_map_only(torch.Tensor, mode.from_tensor, tree)
 
 
 @contextlib.contextmanager

@@ -88,6 +88,10 @@ def rehearse_rank(cfg: DictConfig, plan: Plan, rank: int, steps: int, device_typ
     try:
         with tempfile.TemporaryDirectory(prefix="lightfleet-rehearsal-") as scratch, rehearsal.fake_tensors():
             built = build(for_rehearsal(cfg), plan, Path(scratch))
+            # The data on real tensors, as the preflight made it: a data set made op by op on fake
+            # tensors (synthetic tokens: an op a position) took minutes, and a batch is read real anyway.
+            setup = built.datamodule.setup
+            built.datamodule.setup = lambda stage=None: rehearsal.real_tensors()(setup)(stage)
             built.trainer.fit_loop.run = lambda: loop.run(built.trainer)
             built.trainer.fit(built.model, datamodule=built.datamodule)
     finally:
@@ -128,6 +132,7 @@ class RehearsalLoop:
         with rehearsal.real_tensors():
             batch, accumulation = first_batch(trainer)
             self.outputs = {"loss": torch.zeros(())}  # what callbacks read of a step: a loss no rehearsal knows
+        batch = rehearsal.as_fake(batch)
         rules = rehearsal.CudaRulesOnCpu() if self.device_type == "cuda" else contextlib.nullcontext()
         counter = rehearsal.StepCounter(self.ranks_per_node)
         with rules:
