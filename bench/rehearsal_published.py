@@ -5,7 +5,7 @@ the run used); the rank's report is fed to runner/core/prediction.py with the mo
 recompute: MFU) and set beside the published figures.
 
     python bench/rehearsal_published.py                 # every run: bench/rehearsal_published.json
-    python bench/rehearsal_published.py --runs llama3_8b
+    python bench/rehearsal_published.py --runs llama3_8b  # that run's entry replaced, the others kept
 
 A 70B rehearsal takes minutes on 2 cores (the figures say how long each took), so these runs stay
 here and not in the tests (tests/runner/test_rehearse_formula.py rehearses the 8B).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,11 @@ LLAMA3 = [*LLAMA, "model.vocab_size=128256", "data.batch_size=1", "data.num_trai
 SIZES_8B = ["model.d_model=4096", "model.n_layers=32", "model.n_heads=32", "model.ffn_dim=14336"]
 SIZES_70B = ["model.d_model=8192", "model.n_layers=80", "model.n_heads=64", "model.ffn_dim=28672"]
 A100_64 = ["trainer.devices=8", "trainer.num_nodes=8", "rehearse.device=a100"]
+# Llama 3.1 405B (its model card) on torchtitan's 128 H100s of "94GB memory" (its docs/performance.md:
+# Grand Teton hosts, HBM2e), local batch 2 of 8,192 tokens, every layer checkpointed.
+LLAMA31_405B = [*LLAMA, "model.vocab_size=128256", "data.batch_size=2", "data.num_train=512", "model.d_model=16384",
+                "model.n_layers=126", "model.n_heads=128", "model.ffn_dim=53248", "trainer.devices=8",
+                "trainer.num_nodes=16", "rehearse.device=h100", "rehearse.device_memory_gb=94", "data.seq_len=8192"]
 EVERY_OTHER_8B = "strategy.recompute.checkpoints=[" + ",".join(f"lm.model.layers.{i}" for i in range(0, 32, 2)) + "]"
 
 # name: (overrides, what was published)
@@ -53,11 +59,11 @@ RUNS: Dict[str, Any] = {
     "llama2_70b_batch2": ([*LLAMA, "model.vocab_size=32000", "data.batch_size=2", "data.num_train=256", *SIZES_70B,
                            *A100_64, "data.seq_len=4096", "strategy=[amp,recompute,sharding]"],
                           {"fits": True, "tokens_per_s_per_gpu": 353, "mfu": 0.505}),
-    "llama31_405b_fsdp_only": ([*LLAMA, "model.vocab_size=128256", "data.batch_size=2", "data.num_train=512",
-                                "model.d_model=16384", "model.n_layers=126", "model.n_heads=128",
-                                "model.ffn_dim=53248", "trainer.devices=8", "trainer.num_nodes=16",
-                                "rehearse.device=h100", "data.seq_len=8192", "strategy=[amp,recompute,sharding]"],
-                               {"fits": False}),
+    "llama31_405b_fsdp_only": ([*LLAMA31_405B, "strategy=[amp,recompute,sharding]"], {"fits": False}),
+    # torchtitan's 405B row that ran: FSDP 16 x TP 8 (109 tokens/s per GPU, MFU 29.0%, its H100s at
+    # 500 W). lightfleet's tensor parallelism is torchtitan's plan without sequence parallelism.
+    "llama31_405b_fsdp_tp8": ([*LLAMA31_405B, "strategy=[amp,recompute,sharding]", "strategy.sharding.mp_degree=8"],
+                              {"fits": True, "tokens_per_s_per_gpu": 109, "mfu": 0.29}),
 }
 
 
@@ -79,16 +85,18 @@ def rehearse(name: str, out: Path) -> Dict[str, Any]:
     from runner.core.world import Layout
 
     overrides, published = RUNS[name]
-    started = time.time()
+    started, cpu = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, "-m", "runner", "rehearse", *overrides, f"paths.output_dir={out / name}"],
                           cwd=ROOT, capture_output=True, text=True)
     seconds = time.time() - started
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime  # the command's and its rank's
     record = yaml.safe_load((out / name / "rehearsal.yaml").read_text())
     kind = record["ranks"][0]
     report = kind["report"]
     device = load_devices()[record["device"]["name"]]
     model_flops = model_flops_per_token(overrides) * report["tokens_per_step"]
-    prediction = predict(report, device, Layout(dp_shard=report["world_size"]), model_flops=model_flops)
+    prediction = predict(report, device, Layout(**record["layout"]), model_flops=model_flops)
     result = {"published": published, "exit_status": done.returncode, "fits": record["fits"],
               "needs_gib": kind["needs_bytes"] / 2 ** 30, "peak_gib": kind["peak_bytes"] / 2 ** 30,
               "memory_gib": record["device"]["memory_gb"],
@@ -96,7 +104,7 @@ def rehearse(name: str, out: Path) -> Dict[str, Any]:
               "tokens_per_s_per_gpu": prediction.tokens_per_s_per_gpu, "mfu": prediction.mfu,
               "step_s": prediction.step_s, "compute_s": prediction.compute_s, "memory_s": prediction.memory_s,
               "exposed_communication_s": prediction.exposed_communication_s,
-              "rank_seconds": report["seconds"], "seconds": seconds, "last_line": done.stderr.strip().splitlines()[-1:]}
+              "rank_seconds": report["seconds"], "seconds": seconds, "cpu_seconds": cpu_seconds, "last_line": done.stderr.strip().splitlines()[-1:]}
     if published.get("tokens_per_s_per_gpu"):
         result["tokens_per_s_off"] = prediction.tokens_per_s_per_gpu / published["tokens_per_s_per_gpu"] - 1
     return result
@@ -115,8 +123,10 @@ def main() -> None:
             rate = f"{one['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {one['mfu']:.1%}"
             print(f"{name}: fits={one['fits']} (published {one['published']['fits']}), needs {one['needs_gib']:.1f} "
                   f"GiB (activations {one['parts_gib']['activations']:.1f}), {rate} (published "
-                  f"{one['published'].get('tokens_per_s_per_gpu')}), rehearsed in {one['seconds']:.0f} s", flush=True)
-    args.out.write_text(json.dumps(results, indent=1))
+                  f"{one['published'].get('tokens_per_s_per_gpu')}), rehearsed in {one['seconds']:.0f} s "
+                  f"({one['cpu_seconds']:.0f} s of CPU)", flush=True)
+            earlier = json.loads(args.out.read_text()) if args.out.is_file() else {}  # the runs not run now kept
+            args.out.write_text(json.dumps({**earlier, **results}, indent=1))
 
 
 if __name__ == "__main__":
