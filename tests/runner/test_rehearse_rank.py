@@ -209,3 +209,24 @@ def test_accumulated_micro_batches_count_as_many_as_the_plan_runs(tmp_path):
     # tracker counts as an activation or a temporary by when it is made).
     assert abs(six["memory"]["activations"] / one["memory"]["activations"] - 1) < 0.05
     assert "gradient_merge" in six["formula"] and not six["collectives"]
+
+
+def test_a_long_synthetic_sequence_is_made_on_real_tensors(tmp_path):
+    """The data module's setup runs on real tensors: data=language_model draws its tokens an op a
+    position, which on fake tensors took minutes (150 s of a 70B-wide rank's 164 s at 8,192 tokens)
+    whatever the model. A tiny model's rank on sequences of 8,192 tokens costs about the CPU time of
+    one on 32 (on fake tensors: some 20 s more on this machine)."""
+    import resource
+
+    def cpu_seconds(seq_len: int) -> float:
+        sizes = [f"data.seq_len={seq_len}", f"model.seq_len={seq_len}", "data.batch_size=1", "data.num_train=2",
+                 "data.num_val=2", "data.num_test=2"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done, report = rehearse(tmp_path / str(seq_len), [*GPT, *QUIET, *sizes], rank=0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert report["tokens_per_step"] == seq_len
+        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+    short, long = cpu_seconds(32), cpu_seconds(8192)
+    assert long - short < 10, f"32 tokens: {short:.1f} s of CPU, 8,192: {long:.1f} s: the data made on fake tensors?"
