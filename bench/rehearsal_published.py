@@ -95,8 +95,11 @@ def rehearse(name: str, out: Path) -> Dict[str, Any]:
     kind = record["ranks"][0]
     report = kind["report"]
     device = load_devices()[record["device"]["name"]]
-    model_flops = model_flops_per_token(overrides) * report["tokens_per_step"]
-    prediction = predict(report, device, Layout(**record["layout"]), model_flops=model_flops)
+    layout = Layout(**record["layout"])
+    # This rank's share of the model's FLOPs: its tokens through the whole model, split over the ranks
+    # of its tensor-parallel group and pipeline, which read the same tokens.
+    model_flops = model_flops_per_token(overrides) * report["tokens_per_step"] / (layout.tp * layout.pp)
+    prediction = predict(report, device, layout, model_flops=model_flops)
     result = {"published": published, "exit_status": done.returncode, "fits": record["fits"],
               "needs_gib": kind["needs_bytes"] / 2 ** 30, "peak_gib": kind["peak_bytes"] / 2 ** 30,
               "memory_gib": record["device"]["memory_gb"],
