@@ -88,10 +88,9 @@ def rehearse_rank(cfg: DictConfig, plan: Plan, rank: int, steps: int, device_typ
     try:
         with tempfile.TemporaryDirectory(prefix="lightfleet-rehearsal-") as scratch, rehearsal.fake_tensors():
             built = build(for_rehearsal(cfg), plan, Path(scratch))
-            # The data on real tensors, as the preflight made it: a data set made op by op on fake
-            # tensors (synthetic tokens: an op a position) took minutes, and a batch is read real anyway.
-            setup = built.datamodule.setup
-            built.datamodule.setup = lambda stage=None: rehearsal.real_tensors()(setup)(stage)
+            # The data made on real tensors, as the preflight made it: on fake ones a data set made op
+            # by op (synthetic tokens: an op a position) took minutes, and its batch is read real anyway.
+            built.datamodule.setup = rehearsal.real_tensors()(built.datamodule.setup)
             built.trainer.fit_loop.run = lambda: loop.run(built.trainer)
             built.trainer.fit(built.model, datamodule=built.datamodule)
     finally:
