@@ -1,14 +1,16 @@
 """`lightfleet rehearse` against published runs (issue 42): torchtitan's Llama 3 70B and 8B on 64
-A100 80 GB (docs/performance.md, its Llama 3 table, mid-2024) and the fit and the out-of-memory run
-docs/rehearse.md cites. Each is rehearsed for real (the rank side on fake tensors, for the device
-the run used); the rank's report is fed to runner/core/prediction.py with the model's FLOPs (no
-recompute: MFU) and set beside the published figures.
+A100 80 GB (docs/performance.md, its Llama 3 table, mid-2024), the fit and the out-of-memory run
+docs/rehearse.md cites, and the 405B run that fit (FSDP + TP 8). Each is rehearsed for real (the
+rank side on fake tensors, for the device the run used); the rank's report is fed to
+runner/core/prediction.py with the model's FLOPs (no recompute: MFU) and set beside the published
+figures.
 
     python bench/rehearsal_published.py                 # every run: bench/rehearsal_published.json
     python bench/rehearsal_published.py --runs llama3_8b  # that run's entry replaced, the others kept
 
-A 70B rehearsal takes minutes on 2 cores (the figures say how long each took), so these runs stay
-here and not in the tests (tests/runner/test_rehearse_formula.py rehearses the 8B).
+A 70B rehearsal takes about a minute of CPU, a 405B's about two (the figures say how long each
+took, in wall and CPU seconds), so these runs stay here and not in the tests
+(tests/runner/test_rehearse_formula.py rehearses the 8B).
 """
 from __future__ import annotations
 
