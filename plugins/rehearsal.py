@@ -83,8 +83,8 @@ def real_tensors() -> contextlib.AbstractContextManager:
 
 def as_fake(tree: Any) -> Any:
     """`tree` (a batch read on real tensors) with its real tensors made fake tensors of the running
-    rehearsal, as the step's own are: the memory tracker then counts the batch where the step keeps
-    it (the loss's targets), as it did when the data module's data was made on fake tensors."""
+    rehearsal, as the step's own are: the memory tracker then counts the batch as it did when the
+    data module's setup made its data on fake tensors."""
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     return tree_map_only(torch.Tensor, mode.from_tensor, tree)
 
@@ -292,7 +292,7 @@ MEMORY_PARTS = {  # the report's part -> MemTracker's categories
 class _RunningModulesTracker(MemTracker):
     """torch's MemTracker, its per-op update of the running modules' peaks made to look only at them:
     torch's walks every module it has seen (by weak reference) at every op, so a step costs modules
-    x ops, hours for a 405B's 126 blocks (16 blocks of a 70B spent 30 s of a 61 s step in it). The
+    x ops (16 blocks of a 70B spent 30 s of a 61 s step in it; 80, most of 12 minutes). The
     running modules are its `parents`, by name; their statistics are kept by name as its forward
     hook makes them. The snapshots, and so every figure, are torch's."""
 
