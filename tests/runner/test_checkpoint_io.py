@@ -56,8 +56,10 @@ def test_last_ckpt_of_the_top_k_files_step_is_its_hard_link_with_two_fsyncs_a_fi
     io = AtomicCheckpointIO()
     top_k, last = tmp_path / "epoch=0-step=16.ckpt", tmp_path / "last.ckpt"
     io.save_checkpoint(checkpoint(16), top_k)
+    io.wait()  # written in the background
     assert len(fsyncs) == 2  # the file's bytes, the directory for both renames (it was 4)
     io.save_checkpoint(checkpoint(16), last)  # ModelCheckpoint's save_last, the same bytes
+    io.wait()
     assert len(fsyncs) == 3  # the directory: no bytes written again (it was 8 for both)
     assert last.stat().st_ino == top_k.stat().st_ino
     for path in (top_k, last):
@@ -66,6 +68,7 @@ def test_last_ckpt_of_the_top_k_files_step_is_its_hard_link_with_two_fsyncs_a_fi
     assert not [path.name for path in tmp_path.iterdir() if "tmp" in path.name]
     # ModelCheckpoint's retention removes the top-k file at the next validation: last.ckpt stays whole.
     io.remove_checkpoint(top_k)
+    io.wait()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.manifest.json"]
     assert checkpoints.verify(last).problem is None
     assert torch.equal(torch.load(last, weights_only=True)["state_dict"]["w"], checkpoint(16)["state_dict"]["w"])
@@ -77,15 +80,18 @@ def test_other_bytes_of_the_same_step_are_written_and_replace_the_link_not_its_t
     io.save_checkpoint(checkpoint(32), top_k)
     io.save_checkpoint(checkpoint(32), last)
     io.save_checkpoint(checkpoint(32, scale=2.0), last)  # as fit's end saves last.ckpt again: other loop state
+    io.wait()
     assert len(fsyncs) == 2 + 1 + 2
     assert last.stat().st_ino != top_k.stat().st_ino
     assert torch.equal(torch.load(top_k, weights_only=True)["state_dict"]["w"], checkpoint(32)["state_dict"]["w"])
     assert checkpoints.verify(top_k).problem is None and checkpoints.verify(last).problem is None
     # The same bytes at another step are never linked: each step's file is its own.
     io.save_checkpoint(checkpoint(48), tmp_path / "epoch=1-step=48.ckpt")
+    io.wait()
     assert (tmp_path / "epoch=1-step=48.ckpt").stat().st_nlink == 1
     # The newest step's files, last.ckpt first among the hard links of one step (the one resume reads).
     io.save_checkpoint(checkpoint(48), last)
+    io.wait()
     assert list(checkpoints.intact(tmp_path)) == [last, tmp_path / "epoch=1-step=48.ckpt", top_k]
 
 
@@ -141,6 +147,7 @@ for step in range(1, 100000):
         io.remove_checkpoint(previous)
     previous = top_k
     if step == 3:
+        io.wait()  # the saves so far on the disk: what the test checks from here on
         (directory / "saving").touch()
 """
 
