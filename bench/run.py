@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import time
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runner/ for the in-process benchmarks when lightfleet is not installed
@@ -32,22 +33,29 @@ sys.path.insert(0, str(ROOT))  # runner/ for the in-process benchmarks when ligh
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def timed(command: List[str], expect: int = 0) -> float:
+def timed(command: List[str], expect: int = 0, cpu: Optional[List[float]] = None) -> float:
+    """The wall seconds `command` took; its CPU seconds (user and system, its processes') appended
+    to `cpu` when given: less swayed than the wall by other jobs on a shared machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=ENV)
     elapsed = time.perf_counter() - start
     if done.returncode != expect:
         sys.exit(f"bench: {' '.join(command)} exited {done.returncode} (expected {expect}):\n{done.stderr[-2000:]}")
+    if cpu is not None:
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     return elapsed
 
 
 def side_by_side(a: Callable[[int], List[str]], b: Callable[[int], List[str]], repeats: int,
                  expect_a: int = 0) -> Dict[str, List[float]]:
-    """Run a, b, a, b, ... so that drifting machine load hits both alike."""
-    times: Dict[str, List[float]] = {"a": [], "b": []}
+    """Run a, b, a, b, ... so that drifting machine load hits both alike: wall seconds in "a" and
+    "b", CPU seconds in "a_cpu" and "b_cpu"."""
+    times: Dict[str, List[float]] = {"a": [], "b": [], "a_cpu": [], "b_cpu": []}
     for i in range(repeats):
-        times["a"].append(timed(a(i), expect_a))
-        times["b"].append(timed(b(i)))
+        times["a"].append(timed(a(i), expect_a, times["a_cpu"]))
+        times["b"].append(timed(b(i), cpu=times["b_cpu"]))
     return times
 
 
@@ -73,8 +81,11 @@ def end_to_end(repeats: int, steps: int) -> Dict[str, object]:
                            "--out", f"{tmp}/handwritten-{row}{i}", *(["--progress-bar"] if bar else [])],
                 repeats)
             pairs = sorted(a / b for a, b in zip(times["a"], times["b"]))
+            cpu = {"a": times["a_cpu"], "b": times["b_cpu"]}
             rows[row] = {"lightfleet_s": statistics.median(times["a"]), "handwritten_s": statistics.median(times["b"]),
-                         "ratio": paired_ratio(times), "pairs_from": pairs[0], "pairs_to": pairs[-1], "raw": times}
+                         "ratio": paired_ratio(times), "pairs_from": pairs[0], "pairs_to": pairs[-1],
+                         "lightfleet_cpu_s": statistics.median(cpu["a"]), "handwritten_cpu_s": statistics.median(cpu["b"]),
+                         "cpu_ratio": paired_ratio(cpu), "raw": times}
     return {**rows, "goal": "ratio <= 1.03 in both rows", "steps": steps,
             "met": all(row["ratio"] <= 1.03 for row in rows.values())}
 

@@ -75,7 +75,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             self.wait()
         finally:
             if self._writer is not None:
-                self._writer.shutdown()
+                self._writer.shutdown(wait=False)  # nothing left to wait for
                 self._writer = None
 
     def wait(self) -> None:
