@@ -230,10 +230,12 @@ def callback_costs(repeats: int, steps: int) -> Dict[str, object]:
 
 
 def validation_checkpoints(repeats: int, steps: int) -> Dict[str, object]:
-    """What one validation's checkpoints cost to write, as ModelCheckpoint(save_last=True) writes
-    them: the step's top-k file, then last.ckpt of the same bytes, the previous top-k file removed.
-    lightfleet's AtomicCheckpointIO (whole files with manifests, durable: fsynced) against
-    Lightning's TorchCheckpointIO (neither), on the quickstart's checkpoint after 20 steps, in
+    """What one validation's checkpoints cost the training step, as ModelCheckpoint(save_last=True)
+    writes them: the step's top-k file, then last.ckpt of the same bytes, the previous top-k file
+    removed. lightfleet's AtomicCheckpointIO (whole files with manifests, durable: fsynced; the disk's
+    part in its background thread, whose time is reported apart: it is waited for before the next
+    validation, as the 16 steps between two validations give it) against Lightning's
+    TorchCheckpointIO (neither, all on the step), on the quickstart's checkpoint after 20 steps, in
     this directory's filesystem; interleaved, median of `repeats` x 20 validations each."""
     import shutil
 
@@ -254,6 +256,7 @@ def validation_checkpoints(repeats: int, steps: int) -> Dict[str, object]:
     where = Path(tempfile.mkdtemp(prefix="bench-validation-checkpoints-", dir=ROOT))
     sides = {"lightfleet": AtomicCheckpointIO(), "lightning": TorchCheckpointIO()}
     times: Dict[str, List[float]] = {side: [] for side in sides}
+    background: List[float] = []  # lightfleet's writer, after the step went on
     try:
         for validation in range(repeats * 20):
             for side, io in sides.items():
@@ -265,13 +268,18 @@ def validation_checkpoints(repeats: int, steps: int) -> Dict[str, object]:
                 if validation:
                     io.remove_checkpoint(where / side / f"step={validation - 1}.ckpt")
                 times[side].append(time.perf_counter() - start)
+                if isinstance(io, AtomicCheckpointIO):
+                    io.wait()
+                    background.append(time.perf_counter() - start)
     finally:
+        sides["lightfleet"].teardown()
         shutil.rmtree(where)
     ms = {side: statistics.median(seconds) * 1e3 for side, seconds in times.items()}
+    ratio = paired_ratio({"a": times["lightfleet"], "b": times["lightning"]})
     return {"lightfleet_ms": ms["lightfleet"], "lightning_ms": ms["lightning"],
-            "ratio": paired_ratio({"a": times["lightfleet"], "b": times["lightning"]}),
-            "goal": "lightfleet's durable pair within 1.5 x Lightning's (it was 2.17 / 1.26 ms a file)",
-            "met": paired_ratio({"a": times["lightfleet"], "b": times["lightning"]}) <= 1.5, "raw": times}
+            "lightfleet_until_on_disk_ms": statistics.median(background) * 1e3, "ratio": ratio,
+            "goal": "lightfleet's durable pair costs the step no more than Lightning's pair (it was 2.17 / 1.26 ms a file)",
+            "met": ratio <= 1.0, "raw": {**times, "lightfleet_until_on_disk": background}}
 
 
 def summary(result: Any) -> Any:
