@@ -79,13 +79,14 @@ class Preemption(OwnHooksOnly):
                            *args: Any) -> None:
         if self.guard is not None:
             self.guard.note(outputs)
-        if trainer.global_step == self.last_step:  # a micro-batch of an accumulated step
+        step = trainer.global_step  # read once: Lightning's property walks its loops (~1 us)
+        if step == self.last_step:  # a micro-batch of an accumulated step
             return
-        self.last_step = trainer.global_step
+        self.last_step = step
         if self._writes is not None:  # a checkpoint the disk refused in the background stops the run here
             self._writes.raise_failure()
-        if self.guard is not None and trainer.global_step > 0:
-            self.guard.fold(trainer.global_step)
+        if self.guard is not None and step > 0:
+            self.guard.fold(step)
         stop = self.agreed(trainer)
         if self.diverged_at:  # before any checkpoint: its weights are not finite
             raise diverged(trainer, "the loss", self.diverged_at)
