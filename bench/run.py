@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import time
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runner/ for the in-process benchmarks when lightfleet is not installed
@@ -32,22 +33,29 @@ sys.path.insert(0, str(ROOT))  # runner/ for the in-process benchmarks when ligh
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def timed(command: List[str], expect: int = 0) -> float:
+def timed(command: List[str], expect: int = 0, cpu: Optional[List[float]] = None) -> float:
+    """The wall seconds `command` took; its CPU seconds (user and system, its processes') appended
+    to `cpu` when given: less swayed than the wall by other jobs on a shared machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=ENV)
     elapsed = time.perf_counter() - start
     if done.returncode != expect:
         sys.exit(f"bench: {' '.join(command)} exited {done.returncode} (expected {expect}):\n{done.stderr[-2000:]}")
+    if cpu is not None:
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     return elapsed
 
 
 def side_by_side(a: Callable[[int], List[str]], b: Callable[[int], List[str]], repeats: int,
                  expect_a: int = 0) -> Dict[str, List[float]]:
-    """Run a, b, a, b, ... so that drifting machine load hits both alike."""
-    times: Dict[str, List[float]] = {"a": [], "b": []}
+    """Run a, b, a, b, ... so that drifting machine load hits both alike: wall seconds in "a" and
+    "b", CPU seconds in "a_cpu" and "b_cpu"."""
+    times: Dict[str, List[float]] = {"a": [], "b": [], "a_cpu": [], "b_cpu": []}
     for i in range(repeats):
-        times["a"].append(timed(a(i), expect_a))
-        times["b"].append(timed(b(i)))
+        times["a"].append(timed(a(i), expect_a, times["a_cpu"]))
+        times["b"].append(timed(b(i), cpu=times["b_cpu"]))
     return times
 
 
@@ -73,8 +81,11 @@ def end_to_end(repeats: int, steps: int) -> Dict[str, object]:
                            "--out", f"{tmp}/handwritten-{row}{i}", *(["--progress-bar"] if bar else [])],
                 repeats)
             pairs = sorted(a / b for a, b in zip(times["a"], times["b"]))
+            cpu = {"a": times["a_cpu"], "b": times["b_cpu"]}
             rows[row] = {"lightfleet_s": statistics.median(times["a"]), "handwritten_s": statistics.median(times["b"]),
-                         "ratio": paired_ratio(times), "pairs_from": pairs[0], "pairs_to": pairs[-1], "raw": times}
+                         "ratio": paired_ratio(times), "pairs_from": pairs[0], "pairs_to": pairs[-1],
+                         "lightfleet_cpu_s": statistics.median(cpu["a"]), "handwritten_cpu_s": statistics.median(cpu["b"]),
+                         "cpu_ratio": paired_ratio(cpu), "raw": times}
     return {**rows, "goal": "ratio <= 1.03 in both rows", "steps": steps,
             "met": all(row["ratio"] <= 1.03 for row in rows.values())}
 
@@ -219,10 +230,12 @@ def callback_costs(repeats: int, steps: int) -> Dict[str, object]:
 
 
 def validation_checkpoints(repeats: int, steps: int) -> Dict[str, object]:
-    """What one validation's checkpoints cost to write, as ModelCheckpoint(save_last=True) writes
-    them: the step's top-k file, then last.ckpt of the same bytes, the previous top-k file removed.
-    lightfleet's AtomicCheckpointIO (whole files with manifests, durable: fsynced) against
-    Lightning's TorchCheckpointIO (neither), on the quickstart's checkpoint after 20 steps, in
+    """What one validation's checkpoints cost the training step, as ModelCheckpoint(save_last=True)
+    writes them: the step's top-k file, then last.ckpt of the same bytes, the previous top-k file
+    removed. lightfleet's AtomicCheckpointIO (whole files with manifests, durable: fsynced; the disk's
+    part in its background thread, whose time is reported apart: it is waited for before the next
+    validation, as the 16 steps between two validations give it) against Lightning's
+    TorchCheckpointIO (neither, all on the step), on the quickstart's checkpoint after 20 steps, in
     this directory's filesystem; interleaved, median of `repeats` x 20 validations each."""
     import shutil
 
@@ -243,6 +256,7 @@ def validation_checkpoints(repeats: int, steps: int) -> Dict[str, object]:
     where = Path(tempfile.mkdtemp(prefix="bench-validation-checkpoints-", dir=ROOT))
     sides = {"lightfleet": AtomicCheckpointIO(), "lightning": TorchCheckpointIO()}
     times: Dict[str, List[float]] = {side: [] for side in sides}
+    background: List[float] = []  # lightfleet's writer, after the step went on
     try:
         for validation in range(repeats * 20):
             for side, io in sides.items():
@@ -254,13 +268,18 @@ def validation_checkpoints(repeats: int, steps: int) -> Dict[str, object]:
                 if validation:
                     io.remove_checkpoint(where / side / f"step={validation - 1}.ckpt")
                 times[side].append(time.perf_counter() - start)
+                if isinstance(io, AtomicCheckpointIO):
+                    io.wait()
+                    background.append(time.perf_counter() - start)
     finally:
+        sides["lightfleet"].teardown()
         shutil.rmtree(where)
     ms = {side: statistics.median(seconds) * 1e3 for side, seconds in times.items()}
+    ratio = paired_ratio({"a": times["lightfleet"], "b": times["lightning"]})
     return {"lightfleet_ms": ms["lightfleet"], "lightning_ms": ms["lightning"],
-            "ratio": paired_ratio({"a": times["lightfleet"], "b": times["lightning"]}),
-            "goal": "lightfleet's durable pair within 1.5 x Lightning's (it was 2.17 / 1.26 ms a file)",
-            "met": paired_ratio({"a": times["lightfleet"], "b": times["lightning"]}) <= 1.5, "raw": times}
+            "lightfleet_until_on_disk_ms": statistics.median(background) * 1e3, "ratio": ratio,
+            "goal": "lightfleet's durable pair costs the step no more than Lightning's pair (it was 2.17 / 1.26 ms a file)",
+            "met": ratio <= 1.0, "raw": {**times, "lightfleet_until_on_disk": background}}
 
 
 def summary(result: Any) -> Any:

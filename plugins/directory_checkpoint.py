@@ -35,6 +35,9 @@ class WholeCheckpointStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if not self._save_distributed_checkpoint or storage_options is not None:  # one file: the CheckpointIO's
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        # Retention's removals run in the CheckpointIO's writer (runner/rank/checkpoint_io.py), in
+        # order: done before a directory is written, as one of them may name its path.
+        self.checkpoint_io.teardown()
         path = Path(self.broadcast(filepath))
         written = Path(self.broadcast(str(checkpoints.temporary(path))))  # rank 0's name, for every rank
         if self.global_rank == 0:

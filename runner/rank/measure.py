@@ -276,19 +276,20 @@ class RunMeter(OwnHooksOnly):
         # The common (inputs, targets) batch directly; Lightning's search of the batch otherwise.
         first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
         self.samples_in_step += len(first) if isinstance(first, torch.Tensor) and first.dim() else extract_batch_size(batch)
-        if trainer.global_step != self.last_step:  # the optimizer stepped (not while accumulating)
-            self._step_done(trainer)
+        step = trainer.global_step  # read once: Lightning's property walks its loops (~1 us)
+        if step != self.last_step:  # the optimizer stepped (not while accumulating)
+            self._step_done(trainer, step)
         self.gaps.batch_end()
 
-    def _step_done(self, trainer: pl.Trainer) -> None:
-        self.last_step = trainer.global_step
+    def _step_done(self, trainer: pl.Trainer, step: int) -> None:
+        self.last_step = step
         self.clock.tick()
         self.gaps.step_done()
         self.data_waits.append(self.loader.take())
         self.samples += self.samples_in_step
         self.step_samples.append(self.samples_in_step)
         self.samples_in_step = 0
-        if trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0:
+        if trainer.log_every_n_steps and step % trainer.log_every_n_steps == 0:
             self._read_clock()
             self._log(trainer)
 

@@ -28,6 +28,7 @@ from typing import Any, List, Optional
 import pytorch_lightning as pl
 import torch
 
+from runner.rank.checkpoint_io import AtomicCheckpointIO
 from runner.rank.divergence import Diverged, NonFiniteGuard, diverged
 from runner.rank.hooks import OwnHooksOnly
 from runner.rank.parent import COMMAND_PID, SIGNALS, exit_status
@@ -59,6 +60,7 @@ class Preemption(OwnHooksOnly):
         self.last_step = -1
         self.checked_step = -1  # the step whose weights the guard last found finite before a checkpoint
         self._vote: Optional[Vote] = None  # the vote under way
+        self._writes: Optional[AtomicCheckpointIO] = None  # the run's background checkpoint writer
 
     def note(self, signum: int, _frame: Any = None) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
@@ -70,21 +72,27 @@ class Preemption(OwnHooksOnly):
             signal.signal(signum, self.note)
         if trainer.received_sigterm:  # Lightning's handler took one while fit was setting up
             raise Preempted(signal.SIGTERM)
+        writes = trainer.strategy.checkpoint_io
+        self._writes = writes if isinstance(writes, AtomicCheckpointIO) else None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            *args: Any) -> None:
         if self.guard is not None:
             self.guard.note(outputs)
-        if trainer.global_step == self.last_step:  # a micro-batch of an accumulated step
+        step = trainer.global_step  # read once: Lightning's property walks its loops (~1 us)
+        if step == self.last_step:  # a micro-batch of an accumulated step
             return
-        self.last_step = trainer.global_step
-        if self.guard is not None and trainer.global_step > 0:
-            self.guard.fold(trainer.global_step)
+        self.last_step = step
+        if self._writes is not None:  # a checkpoint the disk refused in the background stops the run here
+            self._writes.raise_failure()
+        if self.guard is not None and step > 0:
+            self.guard.fold(step)
         stop = self.agreed(trainer)
         if self.diverged_at:  # before any checkpoint: its weights are not finite
             raise diverged(trainer, "the loss", self.diverged_at)
         if stop:
             trainer.save_checkpoint(str(Path(trainer.default_root_dir) / self.checkpoint), weights_only=False)
+            trainer.strategy.checkpoint_io.teardown()  # on the disk before the exit: the resume point
             raise Preempted(self.agreed_signal, trainer.global_step)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:

@@ -134,6 +134,7 @@ def save_last_checkpoint(trainer: Any) -> None:
     if callback is not None and callback.save_last and callback.dirpath:
         last = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
         trainer.save_checkpoint(str(last), weights_only=False)  # all of it: optimizer, loops, scaler
+        trainer.strategy.checkpoint_io.teardown()  # written in the background: on the disk before the run ends
 
 
 def train_from(records: Path) -> Dict[str, Any]:

@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 
 from tests.helpers.commands import command_env
 
 REACHED = "reached_step"  # written into the run directory once training has taken a few steps
+CHECKPOINTING = "checkpointing"  # written into the run directory as the first checkpoint is saved
 
 
 class SlowSteps(pl.Callback):
@@ -23,6 +25,20 @@ class SlowSteps(pl.Callback):
         time.sleep(0.2)
         if trainer.global_step == 3 and trainer.is_global_zero:
             Path(trainer.default_root_dir, REACHED).touch()
+
+
+class HeavyCheckpoints(pl.Callback):
+    """Makes every checkpoint `megabytes` heavier (a tensor beside the model's), so that the disk
+    takes a while to write it (runner/rank/checkpoint_io.py writes in the background) and a signal
+    lands while it is pending; marks the run directory as the first one is saved."""
+
+    def __init__(self, megabytes: int) -> None:
+        self.megabytes = megabytes
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        checkpoint["heavy"] = torch.ones(self.megabytes << 18)  # float32
+        if trainer.is_global_zero:
+            Path(trainer.default_root_dir, CHECKPOINTING).touch()
 
 
 # Every run: 40 steps, a loss logged at each, every rank's final state saved (tests/helpers/probe.py).

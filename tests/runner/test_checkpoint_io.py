@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from runner.rank.preemption import Preemption
 from runner.rank.resume import restorable, storable
 from runner.records import checkpoints
 from tests.helpers.commands import PROJECT_ROOT, command_env
+from tests.helpers.full_disk import small_filesystem
 
 
 def checkpoint(step: int, scale: float = 1.0) -> dict:
@@ -56,8 +59,10 @@ def test_last_ckpt_of_the_top_k_files_step_is_its_hard_link_with_two_fsyncs_a_fi
     io = AtomicCheckpointIO()
     top_k, last = tmp_path / "epoch=0-step=16.ckpt", tmp_path / "last.ckpt"
     io.save_checkpoint(checkpoint(16), top_k)
+    io.wait()  # written in the background
     assert len(fsyncs) == 2  # the file's bytes, the directory for both renames (it was 4)
     io.save_checkpoint(checkpoint(16), last)  # ModelCheckpoint's save_last, the same bytes
+    io.wait()
     assert len(fsyncs) == 3  # the directory: no bytes written again (it was 8 for both)
     assert last.stat().st_ino == top_k.stat().st_ino
     for path in (top_k, last):
@@ -66,6 +71,7 @@ def test_last_ckpt_of_the_top_k_files_step_is_its_hard_link_with_two_fsyncs_a_fi
     assert not [path.name for path in tmp_path.iterdir() if "tmp" in path.name]
     # ModelCheckpoint's retention removes the top-k file at the next validation: last.ckpt stays whole.
     io.remove_checkpoint(top_k)
+    io.wait()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.manifest.json"]
     assert checkpoints.verify(last).problem is None
     assert torch.equal(torch.load(last, weights_only=True)["state_dict"]["w"], checkpoint(16)["state_dict"]["w"])
@@ -77,15 +83,18 @@ def test_other_bytes_of_the_same_step_are_written_and_replace_the_link_not_its_t
     io.save_checkpoint(checkpoint(32), top_k)
     io.save_checkpoint(checkpoint(32), last)
     io.save_checkpoint(checkpoint(32, scale=2.0), last)  # as fit's end saves last.ckpt again: other loop state
+    io.wait()
     assert len(fsyncs) == 2 + 1 + 2
     assert last.stat().st_ino != top_k.stat().st_ino
     assert torch.equal(torch.load(top_k, weights_only=True)["state_dict"]["w"], checkpoint(32)["state_dict"]["w"])
     assert checkpoints.verify(top_k).problem is None and checkpoints.verify(last).problem is None
     # The same bytes at another step are never linked: each step's file is its own.
     io.save_checkpoint(checkpoint(48), tmp_path / "epoch=1-step=48.ckpt")
+    io.wait()
     assert (tmp_path / "epoch=1-step=48.ckpt").stat().st_nlink == 1
     # The newest step's files, last.ckpt first among the hard links of one step (the one resume reads).
     io.save_checkpoint(checkpoint(48), last)
+    io.wait()
     assert list(checkpoints.intact(tmp_path)) == [last, tmp_path / "epoch=1-step=48.ckpt", top_k]
 
 
@@ -106,6 +115,57 @@ def test_the_guard_checks_the_weights_once_a_step_not_before_each_of_its_two_fil
     # Validated at steps 3 and 6 (3 batches of 64 an epoch), each writing two files; fit's end checks once more.
     assert sorted(path.name for path in tmp_path.glob("*.ckpt")) == ["epoch=1-step=6.ckpt", "last.ckpt"]
     assert checked == [3, 6, 6]  # it was [3, 3, 6, 6, 6]
+
+
+def test_the_training_thread_makes_no_fsync_the_writer_makes_them_in_the_order_asked(tmp_path, monkeypatch):
+    """Issue 43: a validation's checkpoint files cost the training step their fsyncs (0.25 ms each
+    on a quiet disk, several ms on a busy one), renames and manifests. Now one background thread
+    makes them, in the order ModelCheckpoint asked (the top-k file, its last.ckpt link, the removal
+    of the file before it), and fit's end waits for them."""
+    by_thread = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda descriptor: (by_thread.append(threading.current_thread()), real(descriptor)))
+    pl.Trainer(accelerator="cpu", devices=1, max_steps=9, num_sanity_val_steps=0, logger=False,
+               enable_progress_bar=False, enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+               callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], default_root_dir=tmp_path,
+               ).fit(MLPClassifier(), datamodule=SyntheticClassificationData(num_train=192, num_val=64))
+    assert by_thread and threading.main_thread() not in by_thread
+    # Validated at steps 3, 6 and 9: the newest top-k file and its last.ckpt, each verified, nothing else.
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        name + suffix for name in ("epoch=2-step=9.ckpt", "last.ckpt") for suffix in ("", checkpoints.MANIFEST_SUFFIX))
+    assert (tmp_path / "last.ckpt").stat().st_ino == (tmp_path / "epoch=2-step=9.ckpt").stat().st_ino
+    assert checkpoints.verify(tmp_path / "last.ckpt").manifest["step"] == 9
+
+
+@pytest.mark.slow  # mounts a tmpfs
+def test_a_write_the_full_disk_refused_in_the_background_stops_what_was_asked_after_it(tmp_path):
+    """A validation asks for its top-k file, its last.ckpt and the removal of the top-k file before
+    it; when the disk refuses the first in the background, neither of the others runs (the removal
+    would leave last.ckpt alone standing), and the failure is raised once, on the caller's thread,
+    at its next call: the one line of a full disk."""
+    with small_filesystem(tmp_path / "scratch", "1m") as scratch:
+        io = AtomicCheckpointIO()
+        io.save_checkpoint(checkpoint(1), scratch / "step=1.ckpt")
+        io.save_checkpoint(checkpoint(1), scratch / "last.ckpt")
+        io.wait()
+        (scratch / "ballast").write_bytes(b"\0" * (shutil.disk_usage(scratch).free - 8192))
+        refused = []  # raised at whichever call comes after the write failed, once
+        for call in (lambda: io.save_checkpoint(checkpoint(2), scratch / "step=2.ckpt"),
+                     lambda: io.save_checkpoint(checkpoint(2), scratch / "last.ckpt"),
+                     lambda: io.remove_checkpoint(scratch / "step=1.ckpt"), io.wait):
+            try:
+                call()
+            except checkpoints.CheckpointNotWritten as failure:
+                refused.append(str(failure))
+        (line,) = refused
+        assert line.startswith(f"no space left on device for checkpoint {scratch}/step=2.ckpt: it needs ")
+        assert line.endswith(f"the checkpoint that stands is {scratch}/last.ckpt (step 1)")
+        io.teardown()  # Lightning's, after the run's one line: it raises nothing more
+        assert sorted(path.name for path in scratch.iterdir()) == sorted(
+            ["ballast"] + [name + suffix for name in ("last.ckpt", "step=1.ckpt") for suffix in ("", checkpoints.MANIFEST_SUFFIX)])
+        for name in ("last.ckpt", "step=1.ckpt"):
+            assert checkpoints.verify(scratch / name).problem is None
+            assert torch.load(scratch / name, weights_only=True)["global_step"] == 1
 
 
 def test_pythons_generator_state_is_one_tensor_in_a_checkpoint_and_a_tuple_from_before_restores(tmp_path):
@@ -141,6 +201,7 @@ for step in range(1, 100000):
         io.remove_checkpoint(previous)
     previous = top_k
     if step == 3:
+        io.wait()  # the saves so far on the disk: what the test checks from here on
         (directory / "saving").touch()
 """
 
