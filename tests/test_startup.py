@@ -1,7 +1,8 @@
 """The command's fixed cost (issue 43, bench/startup.py): Python's garbage collector, which went over
 the half a million objects torch and Lightning make some eight times before the first step and once
 more at exit, is paused while a single run imports and checks, runs once before training, and
-leaves what start-up made frozen, in the command and in the ranks it forks (runner/core/collector.py).
+leaves what start-up made frozen, in the command, in the ranks it forks and in fresh ranks
+(runner/core/collector.py).
 Read from inside the run by tests/helpers/probe.py's Collector."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner.command.cli import main
+from runner.command.launch import FRESH_RANKS
 
 COLLECTOR = "+callbacks.collector._target_=tests.helpers.probe.Collector"
 
@@ -41,6 +43,18 @@ def test_forked_ranks_train_with_the_collector_on_and_the_commands_objects_froze
     states = collector_states(tmp_path / "run")
     assert sorted(states) == [0, 1]
     assert all(state["enabled"] and state["frozen"] > 100_000 for state in states.values()), states
+
+
+@pytest.mark.slow
+def test_fresh_ranks_import_with_the_collector_paused(lightfleet, tmp_path, monkeypatch):
+    monkeypatch.setenv(FRESH_RANKS, "1")  # as where CUDA is: `python -m runner.train RUN_DIR`
+    done = lightfleet("trainer.devices=2", "trainer.max_steps=2", "trainer.enable_progress_bar=false",
+                      "paths.output_dir=run", COLLECTOR)
+    assert done.returncode == 0, done.stderr[-3000:]
+    states = collector_states(tmp_path / "run")
+    assert sorted(states) == [0, 1]
+    assert all(state["full_collections"] <= 2 and state["frozen"] > 100_000 and state["enabled"]
+               for state in states.values()), states
 
 
 def test_a_refused_run_leaves_the_collector_as_it_found_it(capsys):

@@ -7,7 +7,8 @@ more than the start-up's checks). A single run pauses the collector while it imp
 (a bounded amount of garbage: one composition, one check) and, just before training or forking its
 ranks, collects once and freezes what is left (Python's `gc.freeze`, made for processes that fork):
 later collections, the ranks' and the one at exit skip those objects, and forked ranks do not touch
-their pages. A sweep composes and checks every job first, so it keeps the collector on.
+their pages. A rank started as a fresh process (runner/train.py) imports the same way. A sweep
+composes and checks every job first, so it keeps the collector on.
 """
 from __future__ import annotations
 
