@@ -4,6 +4,8 @@ seconds from the process's start to its first training step and from fit's end t
 and CPU (the machine is shared: CPU time says what the process itself did).
 
     python bench/startup.py --repeats 5 --steps 1 50     # results in bench/startup.json
+    python bench/startup.py --before /tmp/old-checkout   # and lightfleet of another checkout (a copy of
+                                                         # an older tree holding this file), interleaved
     python bench/startup.py handwritten --steps 1 --out DIR   # (internal) the script, stamped
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP_ENV = "LIGHTFLEET_BENCH_STAMP"  # the JSON file the stamping callback writes
@@ -70,20 +72,25 @@ def handwritten(argv: List[str]) -> None:
     runpy.run_path(str(ROOT / "bench" / "handwritten.py"), run_name="__main__")
 
 
-def sides(steps: int, out: str, i: int) -> Dict[str, List[str]]:
-    return {
-        "lightfleet": [sys.executable, "-m", "runner", "experiment=quickstart", f"trainer.max_steps={steps}",
-                       "trainer.enable_progress_bar=false", f"paths.output_dir={out}/lightfleet{i}",
-                       "+callbacks.stamp._target_=bench.startup.Stamp"],
-        "handwritten": [sys.executable, "bench/startup.py", "handwritten", "--steps", str(steps),
-                        "--out", f"{out}/handwritten{i}"],
-    }
+def sides(steps: int, out: str, i: int, before: Optional[str]) -> Dict[str, Tuple[List[str], Path]]:
+    """Each side's command line and the directory it runs in."""
+    def lightfleet(name: str) -> List[str]:
+        return [sys.executable, "-m", "runner", "experiment=quickstart", f"trainer.max_steps={steps}",
+                "trainer.enable_progress_bar=false", f"paths.output_dir={out}/{name}{i}",
+                "+callbacks.stamp._target_=bench.startup.Stamp"]
+
+    commands = {"lightfleet": (lightfleet("lightfleet"), ROOT),
+                "handwritten": ([sys.executable, "bench/startup.py", "handwritten", "--steps", str(steps),
+                                 "--out", f"{out}/handwritten{i}"], ROOT)}
+    if before:
+        commands["before"] = (lightfleet("before"), Path(before))
+    return commands
 
 
-def measure(command: List[str], stamp: Path) -> Dict[str, float]:
+def measure(command: List[str], cwd: Path, stamp: Path) -> Dict[str, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**ENV, STAMP_ENV: str(stamp)})
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**ENV, STAMP_ENV: str(stamp)})
     end = time.time()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
@@ -95,20 +102,24 @@ def measure(command: List[str], stamp: Path) -> Dict[str, float]:
             "after_fit_cpu_s": cpu - marks["fit_end_cpu"], "wall_s": end - start, "cpu_s": cpu}
 
 
-def compare(steps: int, repeats: int) -> Dict[str, object]:
-    runs: Dict[str, List[Dict[str, float]]] = {"lightfleet": [], "handwritten": []}
+def compare(steps: int, repeats: int, before: Optional[str]) -> Dict[str, object]:
+    """Each lightfleet side against the script: medians, and the median of the differences of
+    the pairs run back to back (with the smallest and largest), the sides' order rotating."""
+    runs: Dict[str, List[Dict[str, float]]] = {side: [] for side in sides(steps, "", 0, before)}
     with tempfile.TemporaryDirectory() as out:
         for i in range(repeats):
-            order = list(runs) if i % 2 == 0 else list(reversed(runs))  # neither side always first
+            commands = sides(steps, out, i, before)
+            order = list(commands)[i % len(commands):] + list(commands)[:i % len(commands)]
             for side in order:
-                runs[side].append(measure(sides(steps, out, i)[side], Path(out) / f"stamp-{side}{i}.json"))
-    figures: Dict[str, object] = {}
-    for figure in runs["lightfleet"][0]:
-        per_side = {side: [run[figure] for run in runs[side]] for side in runs}
-        differences = sorted(a - b for a, b in zip(per_side["lightfleet"], per_side["handwritten"]))
-        figures[figure] = {**{side: statistics.median(values) for side, values in per_side.items()},
-                           "difference": statistics.median(differences),
-                           "difference_from": differences[0], "difference_to": differences[-1]}
+                runs[side].append(measure(*commands[side], Path(out) / f"stamp-{side}{i}.json"))
+    figures: Dict[str, Dict[str, object]] = {}
+    for side in (side for side in runs if side != "handwritten"):
+        for figure in runs[side][0]:
+            ours, script = [run[figure] for run in runs[side]], [run[figure] for run in runs["handwritten"]]
+            differences = sorted(a - b for a, b in zip(ours, script))
+            figures.setdefault(side, {})[figure] = {
+                "lightfleet": statistics.median(ours), "handwritten": statistics.median(script),
+                "difference": statistics.median(differences), "from": differences[0], "to": differences[-1]}
     return {"steps": steps, "repeats": repeats, "figures": figures, "raw": runs}
 
 
@@ -118,15 +129,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 50])
+    parser.add_argument("--before", help="another checkout's lightfleet as a third side")
     parser.add_argument("--out", default=str(ROOT / "bench" / "startup.json"))
     args = parser.parse_args()
     results = {}
     for steps in args.steps:
-        results[steps] = result = compare(steps, args.repeats)
-        print(f"{steps} step(s), {args.repeats} pairs, medians (lightfleet - script: median, from..to):")
-        for figure, value in result["figures"].items():
-            print(f"  {figure:22s} {value['lightfleet']:7.3f} {value['handwritten']:7.3f}  "
-                  f"{value['difference']:+.3f} ({value['difference_from']:+.3f}..{value['difference_to']:+.3f})")
+        results[steps] = result = compare(steps, args.repeats, args.before)
+        for side, figures in result["figures"].items():
+            print(f"{side} ({steps} step(s), {args.repeats} pairs): side, script, difference (pairs from..to)")
+            for figure, value in figures.items():
+                print(f"  {figure:20s} {value['lightfleet']:7.3f} {value['handwritten']:7.3f}  "
+                      f"{value['difference']:+.3f} ({value['from']:+.3f}..{value['to']:+.3f})")
     Path(args.out).write_text(json.dumps({"load": os.getloadavg(), "results": results}, indent=1))
 
 
