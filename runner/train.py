@@ -16,7 +16,7 @@ if __name__ == "__main__":
     with collector.paused():  # the bulk of a rank's start-up, as the command's (runner/core/collector.py)
         import pytorch_lightning  # noqa: F401
         from runner.rank.train import main
-    collector.settle()
+        collector.settle()
     main(Path(sys.argv[1]))
     # Everything is written (results, checkpoints, loggers finalised). Interpreter teardown would
     # now destroy torch's C++ communication objects in no set order, and one whose thread is still
