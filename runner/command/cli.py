@@ -22,8 +22,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from runner.command import preflight, usage
-from runner.core import collector
 from runner.command.command_line import hydra_override, parse, quote_checkpoint_names
+from runner.core import collector
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
 from runner.core.paths import CONF_DIR, home_expanded, user_code_last, user_path
 from runner.core.clock import mark_start

@@ -1,9 +1,9 @@
 """Python's cyclic garbage collector at the command's start and end.
 
 Importing torch and Lightning makes some 500,000 objects, and the collector goes over all of them
-each time they have grown by a quarter: 7 to 8 full collections before the first step (0.9 s of
-CPU on 2 cores), then one more at interpreter exit, which clears the modules and collects them all
-again (1.2-1.5 s, more than the start-up's checks). A single run pauses the collector while it
+each time they have grown by a quarter: 7 to 8 full collections before the first step (about 1 s
+of CPU on 2 cores), then one more at interpreter exit, which clears the modules and collects them
+all again (1.2-1.5 s, more than the start-up's checks: bench/RESULTS.md). A single run pauses the collector while it
 imports and checks and, just before training or forking its ranks, freezes what it holds (Python's
 `gc.freeze`, made for processes that fork): later collections, the ranks' and the one at exit skip
 those objects, and forked ranks do not touch their pages. What start-up left unreachable is
