@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, NoReturn, Optional, Sequ
 
 from runner.command import preflight, usage
 from runner.command.command_line import hydra_override, parse, quote_checkpoint_names
+from runner.core import collector
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
 from runner.core.paths import CONF_DIR, home_expanded, user_code_last, user_path
 from runner.core.clock import mark_start
@@ -62,9 +63,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args = from_run_dir(args[0], args[1:])
             elif args:
                 usage.check_subcommand(args[0])
-            if not {"-m", "--multirun", *SHOW_FLAGS} & set(args):
-                preflight.command_line(args)
-            return run_app(args)
+            if {"-m", "--multirun", *SHOW_FLAGS} & set(args):
+                return run_app(args)
+            preflight.command_line(args)
+            with collector.paused():  # a single run's imports and checks, until it trains (launch.run)
+                return run_app(args)
     except KeyboardInterrupt:  # Ctrl-C outside a run (a run takes it itself: runner/command/launch.py)
         print("lightfleet: interrupted", file=sys.stderr)
         return INTERRUPTED

@@ -30,6 +30,7 @@ from runner.config.checks import RunSpec
 from runner.core.errors import ConfigError, Refusal, error_line, exit_on_user_error
 from runner.core.paths import user_code_last
 from runner.core.plan import Plan, format_plan
+from runner.core import collector
 from runner.core.clock import mark_start
 from runner.records import files
 from runner.records.checkpoints import CheckpointNotWritten
@@ -158,6 +159,7 @@ def train_run(spec: RunSpec, plan: Plan, command: Sequence[str], records: Path, 
     if "auto" in plan.strategies:  # chosen now, before any rank starts
         from runner.command.autotune import JUDGES, choose
 
+        collector.resume()  # auto weighs many candidates: their garbage is collected as it goes
         try:
             with launch.stopping_at_once():  # a trial or rehearsal under way is stopped with the command
                 chosen = choose(spec, records, command)

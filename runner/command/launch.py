@@ -30,6 +30,7 @@ from typing import Iterator
 from omegaconf import OmegaConf
 
 from runner.command.console import progress_in_place, to_log_files
+from runner.core import collector
 from runner.core.errors import ConfigError, exit_on_user_error
 from runner.core.paths import python_module, user_code_last
 from runner.config.schema import TrainerConfig
@@ -114,6 +115,7 @@ def stopping_at_once() -> Iterator[None]:
 
 def run(records: Path, world: World) -> None:
     """Train from the config in `records`: in this process, or in one process per device."""
+    collector.settle()  # what start-up made, frozen: the ranks and the exit skip it (runner/core/collector.py)
     with stopping_at_once():
         nproc = processes_per_node(world)
         if launched_externally() or (nproc == 1 and world.num_nodes == 1):

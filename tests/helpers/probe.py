@@ -149,6 +149,19 @@ class FirstStep(pl.Callback):
             torch.save(self.record, Path(trainer.default_root_dir) / "first_step.pt")
 
 
+class Collector(pl.Callback):
+    """Each rank writes, as collector.rank<r>.json in the run directory when training starts, the
+    state of Python's garbage collector: its full collections so far, the objects frozen, and
+    whether it is on (tests/test_startup.py)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import gc
+
+        state = {"full_collections": gc.get_stats()[2]["collections"], "frozen": gc.get_freeze_count(),
+                 "enabled": gc.isenabled()}
+        (Path(trainer.default_root_dir) / f"collector.rank{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
 class FinalState(pl.Callback):
     """Each rank saves what it ends training with, as final.rank<r>.pt in the run directory: its
     parameters (its own shard or stage where it holds one) and its optimizer's state, to compare
