@@ -13,6 +13,7 @@ import pty
 import re
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -124,20 +125,23 @@ def test_the_steps_bar_redraws_when_its_line_is_due_not_at_every_step(lightfleet
     figures = json.loads((tmp_path / "piped" / "bar_redraws.json").read_text())
     assert figures["steps"] == 300 and 1 <= figures["redraws"] <= 2 + figures["seconds"] // 30, figures
     primary, secondary = pty.openpty()
-    on_terminal = subprocess.run([sys.executable, "-m", "runner", *probe, "paths.output_dir=terminal"], cwd=tmp_path,
-                                 env=command_env(), stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary,
-                                 timeout=600)
+    on_terminal = subprocess.Popen([sys.executable, "-m", "runner", *probe, "paths.output_dir=terminal"], cwd=tmp_path,
+                                   env=command_env(), stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
     os.close(secondary)
-    drawn = read_all(primary)
-    assert on_terminal.returncode == 0, drawn[-3000:]
+    # Read while it runs: a pseudo-terminal holds a few KB, and a command writing more blocks until read.
+    chunks: list = []
+    reader = threading.Thread(target=read_all, args=(primary, chunks))
+    reader.start()
+    assert on_terminal.wait(timeout=600) == 0, b"".join(chunks)[-3000:]
+    reader.join(timeout=60)
+    drawn = b"".join(chunks).decode(errors="replace")
     figures = json.loads((tmp_path / "terminal" / "bar_redraws.json").read_text())
     assert figures["steps"] == 300 and 2 <= figures["redraws"] <= 3 + figures["seconds"] / 0.2, figures
     assert "\r" in drawn and "300/300" in drawn  # drawn in place, to the last step
 
 
-def read_all(descriptor: int) -> str:
-    """What a pseudo-terminal's other end wrote, until it closed."""
-    chunks = []
+def read_all(descriptor: int, chunks: list) -> None:
+    """What a pseudo-terminal's other end writes, into `chunks`, until it closes."""
     while True:
         try:
             chunk = os.read(descriptor, 1 << 16)
@@ -147,7 +151,6 @@ def read_all(descriptor: int) -> str:
             break
         chunks.append(chunk)
     os.close(descriptor)
-    return b"".join(chunks).decode(errors="replace")
 
 
 def test_the_console_keeps_lightfleets_and_the_users_warnings_and_leaves_the_libraries_to_the_log():
