@@ -18,7 +18,8 @@ and world size run in one set of ranks (torch.distributed.run), one after anothe
 (`device_memory_gb` set tiny so that nothing fits and gradient merging is listed everywhere).
 
 Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its local
-shard): parameters (the optimizer's and the module's, gathered ones included), gradients, optimizer
+shard): parameters (the optimizer's and the module's, FSDP2's gathered ones included, registered on
+their modules yet or not: FSDP2 fills them before it registers them), gradients, optimizer
 states, and saved activations: what autograd saves for backward (saved_tensors_hooks) and still
 holds, plus what recompute's rebuild of a block in backward made and still holds (from the rebuild
 until the block's backward frees it), and the gradients the loss's backward made and still holds (not seen inside the pipeline's
@@ -162,8 +163,11 @@ class PeakMemory(pl.Callback):
         self.trainer: Optional[pl.Trainer] = None
 
     def parameters(self) -> List[torch.Tensor]:
+        from plugins.rehearsal import gathered_parameters
+
         trained = [p for optimizer in self.trainer.optimizers for group in optimizer.param_groups for p in group["params"]]
-        return trained + list(self.trainer.lightning_module.parameters())
+        module = self.trainer.lightning_module
+        return trained + list(module.parameters()) + gathered_parameters(module)
 
     def sample(self, optimizer_states: bool = False) -> None:
         parameters = self.parameters()

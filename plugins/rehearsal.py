@@ -301,6 +301,8 @@ class MemoryTracking:
         self._state = self._categories(self.tracker.get_tracker_snapshot())["optimizer_states"]  # kept between steps
         self._stack = contextlib.ExitStack()
         self._peaks: Dict[str, int] = dict.fromkeys(MEMORY_PARTS, 0)  # each part's most, over the snapshots
+        self._gather: Optional[AfterEachOp] = None  # on while FSDP2 gathers a unit
+        self._unit_inputs: set = set()  # the unit's inputs' storages
 
     def _fold(self, snapshot_lists: Any) -> None:
         """Each part's peak over the tracker's snapshots (taken at every module's forward and backward)."""
@@ -348,19 +350,41 @@ class MemoryTracking:
             self.tracker._fake_mode_on_entry, self.tracker._in_opt = entry, False
             self._parameters(self.model.parameters())
 
-    def _after_op(self) -> None:
+    def _after_op(self, *_: Any) -> None:
         self._parameters(self.model.parameters())
         self._fold([[self.tracker.get_tracker_snapshot()]])
+
+    def _gathering(self, module: nn.Module, args: Any) -> None:
+        """Before FSDP2 gathers a unit (its pre-forward): what it makes from here on is watched,
+        but what it makes of the module's inputs (their casts to the unit's dtype: activations)."""
+        self._unit_inputs = storage_ids(args)
+        self._gather = AfterEachOp(self._made)
+        self._gather.__enter__()
+
+    def _made(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """Each op's new tensors (not views of its inputs), while FSDP2 gathers: temporaries (at
+        once: the tracker takes its parts' peaks after each op), its all-gather's buffers."""
+        inputs = storage_ids((args, kwargs))
+        if not inputs & self._unit_inputs:
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in inputs:
+                    self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
+
+    def _gathered_unit(self, module: nn.Module, args: Any) -> None:
+        """After FSDP2 gathered a unit: its all-gather's buffers stay temporaries (MemTracker calls
+        them activations, made in a forward), the gathered parameters are parameters."""
+        self._gather.__exit__(None, None, None)
+        self._parameters(self.model.parameters())
 
     def __enter__(self) -> "MemoryTracking":
         from torch.distributed.fsdp import FSDPModule
 
         # Registered before the tracker's own global hooks, so it runs first.
         self._stack.callback(nn.modules.module.register_module_forward_pre_hook(self._afresh).remove)
-        for module in self.model.modules():  # after FSDP2's own hook, which gathers the unit's modules at once
+        for module in self.model.modules():  # around FSDP2's own hook, which gathers the unit's modules at once
             if isinstance(module, FSDPModule):
-                self._stack.callback(module.register_forward_pre_hook(
-                    lambda *_: self._parameters(self.model.parameters())).remove)
+                self._stack.callback(module.register_forward_pre_hook(self._gathering, prepend=True).remove)
+                self._stack.callback(module.register_forward_pre_hook(self._gathered_unit).remove)
         self._stack.enter_context(self.tracker)
         return self
 
@@ -378,16 +402,37 @@ class MemoryTracking:
         return {**self._peaks, "step_peak": self.peak()}
 
 
+def storage_ids(tree: Any) -> set:
+    return {id(t.untyped_storage()) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+
+def gathered_parameters(model: nn.Module) -> List[torch.Tensor]:
+    """FSDP2's gathered (unsharded) parameters, whether registered on their modules or not: in a
+    unit's pre-forward and pre-backward FSDP2 fills them before it registers them, and a tracker
+    reading only the modules' parameters would take them for what autograd saved of the last
+    forward (bench/auto_memory.py's PeakMemory)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in [module._get_fsdp_state()._fsdp_param_group] if group is not None}
+    return [fsdp_param._unsharded_param for group in groups.values() for fsdp_param in group.fsdp_params
+            if hasattr(fsdp_param, "_unsharded_param")]
+
+
 class AfterEachOp(TorchDispatchMode):
-    """Calls `then()` after every op while on (inside the memory tracker: it has counted the op)."""
+    """Calls `then(args, kwargs, out)` after every op while on (inside the memory tracker: it has
+    counted the op); a DTensor's op as the local ops it turns into, as the tracker sees them."""
 
     def __init__(self, then: Any) -> None:
         super().__init__()
         self.then = then
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.then()
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        self.then(args, kwargs, out)
         return out
 
 
