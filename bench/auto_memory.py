@@ -125,7 +125,9 @@ def storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
 
 class Outputs(TorchDispatchMode):
     """Keeps weak references to every tensor the ops make while it is on: what a block's
-    recomputation in backward makes and still holds."""
+    recomputation in backward makes and still holds. Made: a new storage, not a view of an op's
+    input (the loader's indexing of an in-memory dataset, a view of its one storage, makes
+    nothing)."""
 
     def __init__(self, after_op: Any = None) -> None:
         super().__init__()
@@ -134,7 +136,9 @@ class Outputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        inputs = storages(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                      and not storages([t]).keys() <= inputs.keys()]
         if self.after_op is not None:
             self.after_op()
         return out
