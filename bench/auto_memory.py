@@ -22,7 +22,8 @@ shard): parameters (the optimizer's and the module's, FSDP2's gathered ones incl
 their modules yet or not: FSDP2 fills them before it registers them), gradients, optimizer
 states, and saved activations: what autograd saves for backward (saved_tensors_hooks) and still
 holds, plus what recompute's rebuild of a block in backward made and still holds (from the rebuild
-until the block's backward frees it), and the gradients the loss's backward made and still holds (not seen inside the pipeline's
+until the block's backward frees it), what a pipeline's schedule keeps of a stage's forward for
+its backward (the stage's outputs), and the gradients the loss's backward made and still holds (not seen inside the pipeline's
 schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-
 tensor pack or unpack, after each node of the loss's backward, at the end of every module's forward,
 before the optimizer step and after it, over the first optimizer step (all its micro-batches); a
@@ -227,9 +228,14 @@ class PeakMemory(pl.Callback):
                 self.handles += [inner.register_forward_pre_hook(lambda *_: self.start_rebuild()),
                                  inner.register_forward_hook(lambda *_: self.end_rebuild())]
         self.handles.append(pl_module.register_forward_hook(self.watch_output))
+        for stage in stages:  # the schedule keeps a stage's outputs until their backward: activations
+            self.handles.append(stage.register_forward_hook(self.stage_output))
         self.hooks = contextlib.ExitStack()
         self.hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
         self.hooks.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+
+    def stage_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.saved += [weakref.ref(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def watch_output(self, module: nn.Module, args: Any, output: Any) -> None:
         # Not a scalar: Lightning may run training_step through the module's call, the loss out.
