@@ -125,21 +125,19 @@ def storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
 
 
 class Outputs(TorchDispatchMode):
-    """Keeps weak references to every tensor the ops make while it is on: what a block's
-    recomputation in backward makes and still holds. Made: a new storage, not a view of an op's
-    input (the loader's indexing of an in-memory dataset, a view of its one storage, makes
-    nothing)."""
+    """Keeps weak references to every tensor the ops make while it is on and not `paused`: what a
+    block's recomputation in backward makes and still holds."""
 
     def __init__(self, after_op: Any = None) -> None:
         super().__init__()
         self.made: List[weakref.ref] = []
         self.after_op = after_op
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = storages(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                      and not storages([t]).keys() <= inputs.keys()]
+        if not self.paused:
+            self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if self.after_op is not None:
             self.after_op()
         return out
@@ -209,6 +207,8 @@ class PeakMemory(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self.made is not None:  # the loader ran since the last micro-batch: not the step's
+            self.made.paused = False
         if self.hooks is None and trainer.global_step == self.step - 1 and not self.handles:
             self.watch(trainer, pl_module)
             if self.step > 1:
@@ -280,6 +280,8 @@ class PeakMemory(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if trainer.global_step < self.step or self.hooks is None:
+            if self.made is not None:  # the next micro-batch's fetch (the loader's indexing of an
+                self.made.paused = True  # in-memory dataset views its whole storage): not the step's
             return
         self.sample(optimizer_states=True)
         self.hooks.close()

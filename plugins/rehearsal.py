@@ -296,8 +296,11 @@ class MemoryTracking:
         self.model = model
         self.tracker = MemTracker()
         self.tracker.track_external(model, *(getattr(optimizer, "optim", optimizer) for optimizer in optimizers))
-        self.tracker.track_external(*(flat for module in model.modules() if isinstance(module, RehearsedDDP)
-                                      and not module.views for flat in module.flats))  # "Other": temporaries
+        # DDP's buckets and what its communication hook keeps between steps (DGC's momentum and
+        # residual), made before the tracker: "Other", temporaries.
+        held = [t for module in model.modules() if isinstance(module, RehearsedDDP)
+                for t in (*(module.flats if not module.views else ()), *held_tensors(module.hook_state))]
+        self.tracker.track_external(*(t for t in held if self.tracker._WINFO.get(t.untyped_storage()) is None))
         self._state = self._categories(self.tracker.get_tracker_snapshot())["optimizer_states"]  # kept between steps
         self._stack = contextlib.ExitStack()
         self._peaks: Dict[str, int] = dict.fromkeys(MEMORY_PARTS, 0)  # each part's most, over the snapshots
@@ -400,6 +403,18 @@ class MemoryTracking:
     def parts(self) -> Dict[str, int]:
         """Each part's peak over the block (bytes, all devices), and the peak of their sum."""
         return {**self._peaks, "step_peak": self.peak()}
+
+
+def held_tensors(state: Any, depth: int = 3) -> List[torch.Tensor]:
+    """The tensors an object keeps in its attributes, dicts and lists, `depth` levels down (a
+    communication hook's state)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if depth == 0 or isinstance(state, (str, bytes, int, float, bool, type(None), dist.ProcessGroup)):
+        return []
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) \
+        else vars(state).values() if hasattr(state, "__dict__") else ()
+    return [t for item in items for t in held_tensors(item, depth - 1)]
 
 
 def storage_ids(tree: Any) -> set:
