@@ -370,7 +370,7 @@ class MemoryTracking:
         inputs = storage_ids((args, kwargs))
         if not inputs & self._unit_inputs:
             for tensor in tree_leaves(out):
-                if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in inputs:
+                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
                     self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
 
     def _gathered_unit(self, module: nn.Module, args: Any) -> None:
@@ -418,7 +418,9 @@ def held_tensors(state: Any, depth: int = 3) -> List[torch.Tensor]:
 
 
 def storage_ids(tree: Any) -> set:
-    return {id(t.untyped_storage()) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    """The storages behind a tree's tensors, by their C++ address (a storage's Python object may be
+    made afresh at each call, and its id reused)."""
+    return {t.untyped_storage()._cdata for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
 
 
 def gathered_parameters(model: nn.Module) -> List[torch.Tensor]:
