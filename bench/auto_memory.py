@@ -18,10 +18,12 @@ and world size run in one set of ranks (torch.distributed.run), one after anothe
 (`device_memory_gb` set tiny so that nothing fits and gradient merging is listed everywhere).
 
 Measured, per rank, as bench/sharding.py does, in bytes of distinct storages (a DTensor: its local
-shard): parameters (the optimizer's and the module's, gathered ones included), gradients, optimizer
+shard): parameters (the optimizer's and the module's, FSDP2's gathered ones included, registered on
+their modules yet or not: FSDP2 fills them before it registers them), gradients, optimizer
 states, and saved activations: what autograd saves for backward (saved_tensors_hooks) and still
 holds, plus what recompute's rebuild of a block in backward made and still holds (from the rebuild
-until the block's backward frees it), and the gradients the loss's backward made and still holds (not seen inside the pipeline's
+until the block's backward frees it), what a pipeline's schedule keeps of a stage's forward for
+its backward (the stage's outputs), and the gradients the loss's backward made and still holds (not seen inside the pipeline's
 schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-
 tensor pack or unpack, after each node of the loss's backward, at the end of every module's forward,
 before the optimizer step and after it, over the first optimizer step (all its micro-batches); a
@@ -123,17 +125,19 @@ def storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
 
 
 class Outputs(TorchDispatchMode):
-    """Keeps weak references to every tensor the ops make while it is on: what a block's
-    recomputation in backward makes and still holds."""
+    """Keeps weak references to every tensor the ops make while it is on and not `paused`: what a
+    block's recomputation in backward makes and still holds."""
 
     def __init__(self, after_op: Any = None) -> None:
         super().__init__()
         self.made: List[weakref.ref] = []
         self.after_op = after_op
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not self.paused:
+            self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if self.after_op is not None:
             self.after_op()
         return out
@@ -162,8 +166,11 @@ class PeakMemory(pl.Callback):
         self.trainer: Optional[pl.Trainer] = None
 
     def parameters(self) -> List[torch.Tensor]:
+        from plugins.rehearsal import gathered_parameters
+
         trained = [p for optimizer in self.trainer.optimizers for group in optimizer.param_groups for p in group["params"]]
-        return trained + list(self.trainer.lightning_module.parameters())
+        module = self.trainer.lightning_module
+        return trained + list(module.parameters()) + gathered_parameters(module)
 
     def sample(self, optimizer_states: bool = False) -> None:
         parameters = self.parameters()
@@ -200,6 +207,8 @@ class PeakMemory(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self.made is not None:  # the loader ran since the last micro-batch: not the step's
+            self.made.paused = False
         if self.hooks is None and trainer.global_step == self.step - 1 and not self.handles:
             self.watch(trainer, pl_module)
             if self.step > 1:
@@ -219,9 +228,14 @@ class PeakMemory(pl.Callback):
                 self.handles += [inner.register_forward_pre_hook(lambda *_: self.start_rebuild()),
                                  inner.register_forward_hook(lambda *_: self.end_rebuild())]
         self.handles.append(pl_module.register_forward_hook(self.watch_output))
+        for stage in stages:  # the schedule keeps a stage's outputs until their backward: activations
+            self.handles.append(stage.register_forward_hook(self.stage_output))
         self.hooks = contextlib.ExitStack()
         self.hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
         self.hooks.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+
+    def stage_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.saved += [weakref.ref(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def watch_output(self, module: nn.Module, args: Any, output: Any) -> None:
         # Not a scalar: Lightning may run training_step through the module's call, the loss out.
@@ -266,6 +280,8 @@ class PeakMemory(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if trainer.global_step < self.step or self.hooks is None:
+            if self.made is not None:  # the next micro-batch's fetch (the loader's indexing of an
+                self.made.paused = True  # in-memory dataset views its whole storage): not the step's
             return
         self.sample(optimizer_states=True)
         self.hooks.close()

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 # --- torch's private API: every name a rehearsal uses, imported here and nowhere else.
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
-from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType  # noqa: E402
 from torch._C._distributed_c10d import _create_work_from_future  # noqa: E402
 from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
@@ -187,9 +187,10 @@ FIRST_BUCKET_MB = 1  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BU
 class RehearsedDDP(DistributedDataParallel):
     """DistributedDataParallel as a rehearsal runs it (DDP's C++ reducer cannot run on fake
     tensors): the same buckets (parameters in reverse order, each closed once it holds DDP's first
-    bucket's 1 MB, then `bucket_cap_mb`; a flat buffer each, held as buffers so that the tracker
-    counts them: a second copy of the gradients; under `gradient_as_bucket_view` the gradients
-    themselves, each copied in as autograd makes it, as DDP's reducer does), reduced once a
+    bucket's 1 MB, then `bucket_cap_mb`; a flat buffer each: a second copy of the gradients, which
+    `MemoryTracking` counts as temporaries, as a real DDP's reducer makes them in the step; under
+    `gradient_as_bucket_view` the gradients themselves, each copied in as autograd makes it, as
+    DDP's reducer does), reduced once a
     synchronised backward has made the gradients, each through the registered communication hook
     (DDP's all-reduce of the average by default). DDP overlaps them with backward; the bytes and
     collectives are the same. A DDP to whoever asks (Lightning's strategy, the pipeline's stages:
@@ -217,15 +218,11 @@ class RehearsedDDP(DistributedDataParallel):
             self.buckets[-1].append(parameter)
             size += parameter.nbytes
         self.views = gradient_as_bucket_view
-        self.flats: List[torch.Tensor] = []  # the buckets under gradient_as_bucket_view: the gradients
+        self.flats: List[torch.Tensor] = []  # the buckets (under gradient_as_bucket_view: the gradients)
         self.slots: Dict[int, Tuple[int, int]] = {}  # a parameter's id -> (its bucket, its offset there)
         for index, parameters in enumerate(self.buckets):
-            flat = torch.empty(sum(p.numel() for p in parameters), dtype=parameters[0].dtype,
-                               device=parameters[0].device)
-            if self.views:
-                self.flats.append(flat)
-            else:
-                self.register_buffer(f"bucket_{index}", flat, persistent=False)
+            self.flats.append(torch.empty(sum(p.numel() for p in parameters), dtype=parameters[0].dtype,
+                                          device=parameters[0].device))
             offset = 0
             for parameter in parameters:
                 self.slots[id(parameter)] = (index, offset)
@@ -245,21 +242,18 @@ class RehearsedDDP(DistributedDataParallel):
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
         if self.views and parameter.grad is not None:  # autograd's own gradient lives only until here
             index, offset = self.slots[id(parameter)]
-            view = self._flat(index)[offset:offset + parameter.numel()].view_as(parameter)
+            view = self.flats[index][offset:offset + parameter.numel()].view_as(parameter)
             if parameter.grad.data_ptr() != view.data_ptr():
                 parameter.grad = view.copy_(parameter.grad)
         if self.require_backward_grad_sync and not self._queued:  # once per backward, at its end
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
 
-    def _flat(self, index: int) -> torch.Tensor:
-        return self.flats[index] if self.views else getattr(self, f"bucket_{index}")
-
     def _reduce(self) -> None:
         self._queued = False
         with CompletedWork():
             for index, parameters in enumerate(self.buckets):
-                flat = self._flat(index)
+                flat = self.flats[index]
                 offset = 0
                 for parameter in parameters:
                     size = parameter.numel()
@@ -316,31 +310,50 @@ class _RunningModulesTracker(MemTracker):
 
 
 class MemoryTracking:
-    """torch's MemTracker over a `with` block: every tensor's bytes by category (parameters, FSDP2's
-    gathered ones included; gradients; optimizer states; activations; temporaries; buffers). What
-    exists already (parameters, gradients, optimizer states; a ZeroRedundancyOptimizer's are its
-    local optimizer's) is counted from the start. Not FSDPMemTracker: it changes what FSDP2 does
-    for a unit of several modules (a gather per module instead of one per unit, torch 2.14). The
-    tracker refuses a module's second forward in one iteration, which micro-batches make
-    (accumulation, a pipeline's schedule): each forward outside backward starts its module's
-    statistics afresh, folded into each part's peak first."""
+    """torch's MemTracker over a `with` block: every tensor's bytes by the parts docs/rehearse.md
+    defines (parameters, FSDP2's gathered ones included; gradients; optimizer states; activations;
+    temporaries; buffers). What exists already (parameters, gradients, optimizer states; a
+    ZeroRedundancyOptimizer's are its local optimizer's; DDP's buckets) is counted from the start.
+    Not FSDPMemTracker: it changes what FSDP2 does for a unit of several modules (a gather per
+    module instead of one per unit, torch 2.14). The tracker refuses a module's second forward in
+    one iteration, which micro-batches make (accumulation, a pipeline's schedule): each forward
+    outside backward starts its module's statistics afresh, folded into each part's peak first.
+
+    MemTracker tags a tensor by when it was made; the parts are what a tensor is: a module's
+    parameters are parameters whenever it runs (FSDP2 gathers them in its unit's pre-forward, and
+    again for recompute's rebuild inside backward, where MemTracker would call them activations);
+    the optimizer's states are what it holds from step to step (MemTracker tags all its step makes
+    as state: the step's intermediates are temporaries here); DDP's buckets are temporaries, as a
+    real DDP's reducer makes them in the step (not the modules' buffers)."""
 
     def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> None:
+        self.model = model
         self.tracker = _RunningModulesTracker()
         self.tracker.track_external(model, *(getattr(optimizer, "optim", optimizer) for optimizer in optimizers))
+        # DDP's buckets and what its communication hook keeps between steps (DGC's momentum and
+        # residual), made before the tracker: "Other", temporaries.
+        held = [t for module in model.modules() if isinstance(module, RehearsedDDP)
+                for t in (*(module.flats if not module.views else ()), *held_tensors(module.hook_state))]
+        self.tracker.track_external(*(t for t in held if self.tracker._WINFO.get(t.untyped_storage()) is None))
+        self._state = self._categories(self.tracker.get_tracker_snapshot())["optimizer_states"]  # kept between steps
         self._stack = contextlib.ExitStack()
         self._peaks: Dict[str, int] = dict.fromkeys(MEMORY_PARTS, 0)  # each part's most, over the snapshots
+        self._gather: Optional[AfterEachOp] = None  # on while FSDP2 gathers a unit
+        self._unit_inputs: set = set()  # the unit's inputs' storages
 
     def _fold(self, snapshot_lists: Any) -> None:
         """Each part's peak over the tracker's snapshots (taken at every module's forward and backward)."""
         for snapshots in snapshot_lists:
             for snapshot in snapshots:
-                parts = self._parts(snapshot)
+                parts = self._categories(snapshot)
+                made_in_step = max(0, parts["optimizer_states"] - self._state)  # the optimizer's intermediates
+                parts["optimizer_states"] -= made_in_step
+                parts["temporaries"] += made_in_step
                 for part in MEMORY_PARTS:
                     self._peaks[part] = max(self._peaks[part], parts[part])
 
     @staticmethod
-    def _parts(snapshot: Dict[Any, Dict[Any, int]]) -> Dict[str, int]:
+    def _categories(snapshot: Dict[Any, Dict[Any, int]]) -> Dict[str, int]:
         by_category: Dict[str, int] = defaultdict(int)
         for per_device in snapshot.values():
             for category, size in per_device.items():
@@ -348,12 +361,67 @@ class MemoryTracking:
         return {part: sum(by_category.get(name, 0) for name in names) for part, names in MEMORY_PARTS.items()}
 
     def _afresh(self, module: nn.Module, args: Any) -> None:
+        self._parameters(module.parameters(recurse=False))
         if not self.tracker._mod_tracker.is_bw and module in self.tracker.memory_tracking:
             self._fold(self.tracker.memory_tracking.pop(module).snapshots.values())
 
+    def _parameters(self, parameters: Iterator[torch.Tensor]) -> None:
+        for parameter in parameters:
+            self.tracker._update_and_maybe_create_winfos(parameter, _MemRefType.PARAM)
+
+    @contextlib.contextmanager
+    def on_real_tensors(self) -> Iterator[None]:
+        """Counts what runs with fake tensors off (`real_tensors`) too: the strategies' callbacks,
+        which read a real loss and step the fake parameters as an optimizer does (local SGD's
+        averaging; MemTracker counts only ops under the fake mode it started in). What they make is
+        tagged as an optimizer step's (temporaries, beyond the state) until it becomes a parameter:
+        the averaging makes each parameter, one after another, a view of one new flat buffer,
+        which is then parameters beside the old ones not yet replaced; so after each op the
+        parameters are tagged again and the parts taken."""
+        entry, self.tracker._fake_mode_on_entry = self.tracker._fake_mode_on_entry, None
+        self.tracker._in_opt = True
+        try:
+            with AfterEachOp(self._after_op):
+                yield
+        finally:
+            self.tracker._fake_mode_on_entry, self.tracker._in_opt = entry, False
+            self._parameters(self.model.parameters())
+
+    def _after_op(self, *_: Any) -> None:
+        self._parameters(self.model.parameters())
+        self._fold([[self.tracker.get_tracker_snapshot()]])
+
+    def _gathering(self, module: nn.Module, args: Any) -> None:
+        """Before FSDP2 gathers a unit (its pre-forward): what it makes from here on is watched,
+        but what it makes of the module's inputs (their casts to the unit's dtype: activations)."""
+        self._unit_inputs = storage_ids(args)
+        self._gather = AfterEachOp(self._made)
+        self._gather.__enter__()
+
+    def _made(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """Each op's new tensors (not views of its inputs), while FSDP2 gathers: temporaries (at
+        once: the tracker takes its parts' peaks after each op), its all-gather's buffers."""
+        inputs = storage_ids((args, kwargs))
+        if not inputs & self._unit_inputs:
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
+                    self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
+
+    def _gathered_unit(self, module: nn.Module, args: Any) -> None:
+        """After FSDP2 gathered a unit: its all-gather's buffers stay temporaries (MemTracker calls
+        them activations, made in a forward), the gathered parameters are parameters."""
+        self._gather.__exit__(None, None, None)
+        self._parameters(self.model.parameters())
+
     def __enter__(self) -> "MemoryTracking":
+        from torch.distributed.fsdp import FSDPModule
+
         # Registered before the tracker's own global hooks, so it runs first.
         self._stack.callback(nn.modules.module.register_module_forward_pre_hook(self._afresh).remove)
+        for module in self.model.modules():  # around FSDP2's own hook, which gathers the unit's modules at once
+            if isinstance(module, FSDPModule):
+                self._stack.callback(module.register_forward_pre_hook(self._gathering, prepend=True).remove)
+                self._stack.callback(module.register_forward_pre_hook(self._gathered_unit).remove)
         self._stack.enter_context(self.tracker)
         return self
 
@@ -369,6 +437,54 @@ class MemoryTracking:
     def parts(self) -> Dict[str, int]:
         """Each part's peak over the block (bytes, all devices), and the peak of their sum."""
         return {**self._peaks, "step_peak": self.peak()}
+
+
+def held_tensors(state: Any, depth: int = 3) -> List[torch.Tensor]:
+    """The tensors an object keeps in its attributes, dicts and lists, `depth` levels down (a
+    communication hook's state)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if depth == 0 or isinstance(state, (str, bytes, int, float, bool, type(None), dist.ProcessGroup)):
+        return []
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) \
+        else vars(state).values() if hasattr(state, "__dict__") else ()
+    return [t for item in items for t in held_tensors(item, depth - 1)]
+
+
+def storage_ids(tree: Any) -> set:
+    """The storages behind a tree's tensors, by their C++ address (a storage's Python object may be
+    made afresh at each call, and its id reused)."""
+    return {t.untyped_storage()._cdata for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+
+def gathered_parameters(model: nn.Module) -> List[torch.Tensor]:
+    """FSDP2's gathered (unsharded) parameters, whether registered on their modules or not: in a
+    unit's pre-forward and pre-backward FSDP2 fills them before it registers them, and a tracker
+    reading only the modules' parameters would take them for what autograd saved of the last
+    forward (bench/auto_memory.py's PeakMemory)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in [module._get_fsdp_state()._fsdp_param_group] if group is not None}
+    return [fsdp_param._unsharded_param for group in groups.values() for fsdp_param in group.fsdp_params
+            if hasattr(fsdp_param, "_unsharded_param")]
+
+
+class AfterEachOp(TorchDispatchMode):
+    """Calls `then(args, kwargs, out)` after every op while on (inside the memory tracker: it has
+    counted the op); a DTensor's op as the local ops it turns into, as the tracker sees them."""
+
+    def __init__(self, then: Any) -> None:
+        super().__init__()
+        self.then = then
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        self.then(args, kwargs, out)
+        return out
 
 
 def zero_shares(optimizer: Any) -> List[int]:
@@ -428,20 +544,47 @@ class StepCounter(TorchDispatchMode):
         return out
 
     def _collective(self, func: Any, op: str, args: tuple, kwargs: dict) -> None:
-        named = {argument.name: value for argument, value in zip(func._schema.arguments, args)}
-        named.update(kwargs)
+        named = named_arguments(func, args, kwargs)
         group = named.get("process_group", named.get("group_name"))
         group = _resolve_process_group(group) if isinstance(group, str) else dist.ProcessGroup.unbox(group)
         ranks = dist.get_process_group_ranks(group)
-        payload = next(named[key] for key in PAYLOAD_ARGUMENTS if key in named)
         counted = self.collectives[(op, len(ranks), len({rank // self.ranks_per_node for rank in ranks}))]
         counted[0] += self.weight
-        counted[1] += self.weight * sum(t.numel() * t.element_size() for t in tree_leaves(payload)
-                                        if isinstance(t, torch.Tensor))
+        counted[1] += self.weight * sum(t.numel() * t.element_size() for t in payload(named))
 
     def collective_rows(self) -> List[Dict[str, Any]]:
         return [{"op": op, "group_size": size, "nodes": nodes, "calls": calls, "bytes": size_bytes}
                 for (op, size, nodes), (calls, size_bytes) in sorted(self.collectives.items())]
+
+
+def named_arguments(func: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """An op's arguments by their schema names."""
+    return {**{argument.name: value for argument, value in zip(func._schema.arguments, args)}, **kwargs}
+
+
+def payload(named: Dict[str, Any]) -> List[torch.Tensor]:
+    """The tensors a collective's rank contributes (PAYLOAD_ARGUMENTS), of its named arguments."""
+    found = next(named[key] for key in PAYLOAD_ARGUMENTS if key in named)
+    return [t for t in tree_leaves(found) if isinstance(t, torch.Tensor)]
+
+
+class GlooCopies(TorchDispatchMode):
+    """A CPU run's collectives as gloo holds memory for them (torch 2.14): gloo has no
+    reduce-scatter of its own; it reduces a copy of the whole input and keeps this rank's chunk,
+    the copy alive while the op runs. The fake group copies nothing: while on, this mode makes that
+    copy for each reduce-scatter, inside the memory tracker, so that it is counted (a temporary:
+    under ZeRO stages 2 and 3, a unit's whole gradients in the reduce dtype). NCCL reduces in place:
+    a rehearsal for a GPU leaves it off."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        copies = None
+        if func.namespace in ("c10d", "_c10d_functional") \
+                and COLLECTIVES.get(func._schema.name.split("::")[-1]) == "reduce_scatter":
+            copies = [t.clone() for t in payload(named_arguments(func, args, kwargs))]
+        out = func(*args, **kwargs)
+        del copies
+        return out
 
 
 # --------------------------------------------------------------------------- a CUDA device's rules

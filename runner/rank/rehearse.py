@@ -117,6 +117,7 @@ class RehearsalLoop:
         self.device_type = device_type
         self.report: Dict[str, Any] = {}
         self.formulas: Dict[str, str] = {}  # per strategy, why a figure is a formula
+        self.tracker: Any = None  # the measured step's MemoryTracking, while it runs
 
     def run(self, trainer: Any) -> None:
         import torch
@@ -133,14 +134,16 @@ class RehearsalLoop:
             self.outputs = {"loss": torch.zeros(())}  # what callbacks read of a step: a loss no rehearsal knows
         batch = rehearsal.as_fake(batch)
         rules = rehearsal.CudaRulesOnCpu() if self.device_type == "cuda" else contextlib.nullcontext()
+        # A CPU run's collectives are gloo's, which copies a reduce-scatter's input (inside the tracker: counted).
+        backend = rehearsal.GlooCopies() if self.device_type == "cpu" else contextlib.nullcontext()
         counter = rehearsal.StepCounter(self.ranks_per_node)
         with rules:
             for _ in range(self.steps - 1):  # one synchronised micro-batch makes the optimizer's state
                 self.step(trainer, batch, accumulation, callbacks, counter, [(accumulation - 1, 1)])
-            tracker = rehearsal.MemoryTracking(strategy.model, trainer.optimizers)
-            with tracker, counter:
+            self.tracker = rehearsal.MemoryTracking(strategy.model, trainer.optimizers)
+            with self.tracker, counter, backend:
                 self.step(trainer, batch, accumulation, callbacks, counter, micro_batches(accumulation))
-            memory = tracker.parts()
+            memory, self.tracker = self.tracker.parts(), None
             memory["checkpoint_peak"] = self.checkpoint_peak(trainer)
         if accumulation > len(micro_batches(accumulation)):
             self.formulas["gradient_merge"] = REPEATED.format(accumulation - 2)
@@ -189,7 +192,8 @@ class RehearsalLoop:
         """The callbacks' on_train_batch_end, handed a real loss (a callback may read its value)."""
         from plugins import rehearsal
 
-        with rehearsal.real_tensors():
+        counted = self.tracker.on_real_tensors() if self.tracker is not None else contextlib.nullcontext()
+        with rehearsal.real_tensors(), counted:
             for callback in callbacks:
                 callback.on_train_batch_end(trainer, trainer.lightning_module, self.outputs, batch, micro)
 
