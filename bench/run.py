@@ -305,12 +305,14 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
 
-    results = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "benchmarks": {}}
+    # A subset run replaces its own benchmarks' entries and keeps the others', each with its date.
+    earlier = json.loads(args.out.read_text())["benchmarks"] if args.out.exists() else {}
+    results = {"python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+               "benchmarks": earlier}
     for name in args.names or list(BENCHMARKS):
         print(f"{name}: running {args.repeats} x 2 ...", flush=True)
         result = BENCHMARKS[name](args.repeats, args.steps)
-        results["benchmarks"][name] = result
+        results["benchmarks"][name] = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), **result}
         print(f"{name}: {summary(result)}", flush=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"results written to {args.out}")
