@@ -4,7 +4,7 @@ shape shrunk) and torchvision's ResNet-18 (model=vision, small images), in 1 and
 gloo on the CPU, each part of what a rank holds, rehearsed and measured.
 
     python bench/rehearsal.py                              # bench/rehearsal.json, the table printed
-    python bench/rehearsal.py --models gpt --world-sizes 2 --rows plain sharding
+    python bench/rehearsal.py --models gpt --world-sizes 2 --rows plain sharding   # merged into it
 
 Measured: bench/auto_memory.py's `PeakMemory(step=2)` over the real run's second optimizer step
 (its docstring defines each part), the busiest rank's peak of each. Rehearsed: every rank of the
@@ -152,15 +152,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     from bench.spawning import machine
 
-    record: Dict[str, Any] = {
-        "command": " ".join(["python", "bench/rehearsal.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine(), "goal": f"every part within {GOAL:.0%}", "results": {}}
+    fresh: Dict[str, List[Dict[str, Any]]] = {}
     for model in args.models:
         for world_size in args.world_sizes:
             name = f"{model} x{world_size}"
-            record["results"][name] = run(model, world_size, args.rows)
-            print_table(name, record["results"][name])
-    record["summary"] = summary(record["results"])
+            fresh[name] = run(model, world_size, args.rows)
+            print_table(name, fresh[name])
+    # Merged into what --out holds when done (not when started: runs of other rows may overlap), a
+    # subset of models, world sizes or rows replacing only its own rows.
+    record: Dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {"commands": []}
+    record["commands"].append(" ".join(["python", "bench/rehearsal.py",
+                                        *(argv if argv is not None else sys.argv[1:])]))
+    record.update(machine=machine(), goal=f"every part within {GOAL:.0%}")
+    results = record.setdefault("results", {})
+    for name, listed in fresh.items():
+        by_label = {entry["label"]: entry for entry in listed}
+        kept = [by_label.pop(entry["label"], entry) for entry in results.get(name, [])]
+        results[name] = kept + list(by_label.values())
+    record["summary"] = summary(results)
     print(json.dumps(record["summary"], indent=2))
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     return 0
