@@ -395,17 +395,35 @@ class MemoryTracking:
         """Before FSDP2 gathers a unit (its pre-forward): what it makes from here on is watched,
         but what it makes of the module's inputs (their casts to the unit's dtype: activations)."""
         self._unit_inputs = storage_ids(args)
-        self._gather = AfterEachOp(self._made)
+        self._gather = AfterEachOp(self._made, around=self._gather_op)
         self._gather.__enter__()
 
+    @contextlib.contextmanager
+    def _gather_op(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        """One op of the gather: what the tracker tags in it (new tensors, and buffers written in
+        place that it first sees there) tagged as an optimizer step's intermediates, which `_fold`
+        counts as temporaries, while the tracker takes its modules' peaks (MemTracker would call
+        them activations, made in a forward; `_made` then tags them temporaries for good)."""
+        entry = self.tracker._in_opt
+        self.tracker._in_opt = entry or not storage_ids((args, kwargs)) & self._unit_inputs
+        try:
+            yield
+        finally:
+            self.tracker._in_opt = entry
+
     def _made(self, args: tuple, kwargs: dict, out: Any) -> None:
-        """Each op's new tensors (not views of its inputs), while FSDP2 gathers: temporaries (at
-        once: the tracker takes its parts' peaks after each op), its all-gather's buffers."""
-        inputs = storage_ids((args, kwargs))
-        if not inputs & self._unit_inputs:
+        """Each op's tensors tagged in the gather (`_gather_op`): temporaries, its all-gather's
+        buffers. FSDP2 copies its gathered parameters into buffers it keeps (at one process the
+        shards themselves, no all-gather; a unit of the whole model's parameters would be
+        activations until registered), `_gathered_unit` then tags the parameters among them."""
+        if not storage_ids((args, kwargs)) & self._unit_inputs:
             for tensor in tree_leaves(out):
-                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
+                if isinstance(tensor, torch.Tensor) and self._tagged(tensor) == _MemRefType.OPT:
                     self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
+
+    def _tagged(self, tensor: torch.Tensor) -> Optional[_MemRefType]:
+        winfo, _ = self.tracker._WINFO.get(tensor.untyped_storage(), (None, None))
+        return getattr(winfo, "reftype", None)
 
     def _gathered_unit(self, module: nn.Module, args: Any) -> None:
         """After FSDP2 gathered a unit: its all-gather's buffers stay temporaries (MemTracker calls
@@ -472,17 +490,20 @@ def gathered_parameters(model: nn.Module) -> List[torch.Tensor]:
 
 class AfterEachOp(TorchDispatchMode):
     """Calls `then(args, kwargs, out)` after every op while on (inside the memory tracker: it has
-    counted the op); a DTensor's op as the local ops it turns into, as the tracker sees them."""
+    counted the op), the op run inside `around(args, kwargs)` (a context manager) if given; a
+    DTensor's op as the local ops it turns into, as the tracker sees them."""
 
-    def __init__(self, then: Any) -> None:
+    def __init__(self, then: Any, around: Any = None) -> None:
         super().__init__()
         self.then = then
+        self.around = around or (lambda args, kwargs: contextlib.nullcontext())  # around each op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
             return NotImplemented
-        out = func(*args, **kwargs)
+        with self.around(args, kwargs):
+            out = func(*args, **kwargs)
         self.then(args, kwargs, out)
         return out
 
