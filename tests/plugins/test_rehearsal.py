@@ -239,6 +239,39 @@ def test_memory_tracking_over_micro_batches_counts_each_part():
     assert parts["step_peak"] >= 3 * parameter_bytes + parts["activations"] // 2
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_memory_tracking_counts_fsdp2s_gathered_bfloat16_parameters_as_parameters(fake_world, world_size):
+    """ZeRO stage 3 in bfloat16 (FSDP2, a unit of two layers as plugins/sharding.py makes): what it
+    gathers is parameters, its buffers temporaries, never activations, even as the tracker takes a
+    module's peak in the gather's op. At one process FSDP2 makes no all-gather but copies the
+    shards into the buffers it keeps (issue 42: ResNet-18 x1 amp+sharding, activations +300%)."""
+    from plugins import rehearsal
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fake_world(0, world_size)
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 8))
+    with rehearsal.fake_tensors():
+        model.to_empty(device="cpu")
+        bfloat16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard([model[0], model[2]], mesh=mesh, mp_policy=bfloat16)
+        fully_shard(model, mesh=mesh, mp_policy=bfloat16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(4, 1024)
+        for step in range(2):  # the second step tracked, as a rehearsal's
+            tracking = rehearsal.MemoryTracking(model, [optimizer]) if step else contextlib.nullcontext()
+            with tracking:
+                model(batch).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    numel = sum(p.numel() for p in model.parameters())
+    parts = tracking.parts()
+    assert parts["parameters"] == pytest.approx(numel * 4 / world_size + numel * 2, rel=0.01)  # shards + gathered
+    assert parts["activations"] < 64 * 1024  # a few (4, 1024) outputs; one gathered layer is 2 MiB
+
+
 def test_memory_tracking_is_torchs_memtracker_at_a_cost_linear_in_the_modules():
     """torch's MemTracker updated every module it had seen at every op: a step cost modules x ops
     (a 70B's 80 blocks: most of a 12-minute rank). The rehearsal's tracker updates the running
