@@ -197,27 +197,40 @@ class RehearsedDDP(DistributedDataParallel):
     `no_sync` and the reducer's calls before a synchronised backward), built without DDP's own setup."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
-                 process_group: Any = None, **_: Any) -> None:
+                 process_group: Any = None, find_unused_parameters: bool = False, **_: Any) -> None:
         nn.Module.__init__(self)
         self.module = module
         self.process_group = process_group
         self.require_backward_grad_sync = True
-        self.static_graph = self.find_unused_parameters = False
+        self.static_graph = False
+        self.find_unused_parameters = find_unused_parameters
         self.reducer = _NoReducer()
         self.hook_state: Any = process_group
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         self.hook: Any = allreduce_hook
-        # DDP's assignment: a bucket closes once it holds its cap or more (one dtype a bucket).
+        self.bucket_cap_mb = bucket_cap_mb
+        self.views = gradient_as_bucket_view
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        self._assign(list(reversed(parameters)))
+        for parameter in parameters:
+            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+        self._queued = False
+        # DDP rebuilds its buckets once, in the order the first synchronised backward made the
+        # gradients (not when it looks for unused parameters): recorded until then.
+        self._ready: Optional[List[nn.Parameter]] = None if find_unused_parameters else []
+
+    def _assign(self, order: List[nn.Parameter]) -> None:
+        """DDP's assignment of `order` to buckets: a bucket closes once it holds its cap or more (one
+        dtype a bucket); a flat buffer each; gradients already made copied into theirs under views."""
         self.buckets: List[List[nn.Parameter]] = []
         cap, size = FIRST_BUCKET_MB * 2 ** 20, 0
-        for parameter in reversed([p for p in module.parameters() if p.requires_grad]):
+        for parameter in order:
             if not self.buckets or size >= cap or self.buckets[-1][0].dtype != parameter.dtype:
-                cap = cap if not self.buckets else bucket_cap_mb * 2 ** 20
+                cap = cap if not self.buckets else self.bucket_cap_mb * 2 ** 20
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(parameter)
             size += parameter.nbytes
-        self.views = gradient_as_bucket_view
         self.flats: List[torch.Tensor] = []  # the buckets (under gradient_as_bucket_view: the gradients)
         self.slots: Dict[int, Tuple[int, int]] = {}  # a parameter's id -> (its bucket, its offset there)
         for index, parameters in enumerate(self.buckets):
@@ -227,8 +240,12 @@ class RehearsedDDP(DistributedDataParallel):
             for parameter in parameters:
                 self.slots[id(parameter)] = (index, offset)
                 offset += parameter.numel()
-                parameter.register_post_accumulate_grad_hook(self._gradient_ready)
-        self._queued = False
+                if self.views and parameter.grad is not None:
+                    parameter.grad = self._view(parameter).copy_(parameter.grad)
+
+    def _view(self, parameter: nn.Parameter) -> torch.Tensor:
+        index, offset = self.slots[id(parameter)]
+        return self.flats[index][offset:offset + parameter.numel()].view_as(parameter)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -241,10 +258,11 @@ class RehearsedDDP(DistributedDataParallel):
 
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
         if self.views and parameter.grad is not None:  # autograd's own gradient lives only until here
-            index, offset = self.slots[id(parameter)]
-            view = self.flats[index][offset:offset + parameter.numel()].view_as(parameter)
+            view = self._view(parameter)
             if parameter.grad.data_ptr() != view.data_ptr():
                 parameter.grad = view.copy_(parameter.grad)
+        if self.require_backward_grad_sync and self._ready is not None:
+            self._ready.append(parameter)
         if self.require_backward_grad_sync and not self._queued:  # once per backward, at its end
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
@@ -268,6 +286,13 @@ class RehearsedDDP(DistributedDataParallel):
                         view = flat[offset:offset + parameter.numel()].view_as(parameter)
                         parameter.grad = view if self.views else parameter.grad.copy_(view)
                     offset += parameter.numel()
+        # DDP's rebuild, once (before its next forward; here still in the step before it, so the
+        # new buffers exist before a tracker): a hook keeping state by bucket (DGC) meets the new
+        # layout in the next step, holding both for a moment.
+        if self._ready is not None:
+            if len(self._ready) == len(self.slots):
+                self._assign(self._ready)
+            self._ready = None
 
 
 # --------------------------------------------------------------------------- memory
