@@ -5,6 +5,7 @@ gloo on the CPU, each part of what a rank holds, rehearsed and measured.
 
     python bench/rehearsal.py                              # bench/rehearsal.json, the table printed
     python bench/rehearsal.py --models gpt --world-sizes 2 --rows plain sharding   # merged into it
+    python bench/rehearsal.py --models resnet18 --measured-from-out   # the rehearsal changed: its side only
 
 Measured: bench/auto_memory.py's `PeakMemory(step=2)` over the real run's second optimizer step
 (its docstring defines each part), the busiest rank's peak of each. Rehearsed: every rank of the
@@ -103,11 +104,20 @@ def deviations(entry: Dict[str, Any]) -> Dict[str, Optional[float]]:
     return found
 
 
-def run(model: str, world_size: int, chosen: List[str]) -> List[Dict[str, Any]]:
+def run(model: str, world_size: int, chosen: List[str], measured: Optional[List[Dict[str, Any]]] = None
+        ) -> List[Dict[str, Any]]:
+    """The rows rehearsed and measured; with `measured` (the rows of an earlier record) its real
+    runs' figures are taken instead of running them again."""
     listed = [{"label": label, "overrides": overrides, "batch_size": 0, "micro_batch": 0}
               for label, overrides in rows().items() if label in chosen or not chosen]
     with tempfile.TemporaryDirectory() as tmp:
-        measure(model, world_size, listed, Path(tmp) / "real", quiet=REAL, models=MODELS, timeout=3600)
+        if measured is None:
+            measure(model, world_size, listed, Path(tmp) / "real", quiet=REAL, models=MODELS, timeout=3600)
+        else:
+            earlier = {entry["label"]: entry for entry in measured}
+            for entry in listed:
+                entry.update({key: earlier.get(entry["label"], {})[key] for key in ("measured", "refused")
+                              if key in earlier.get(entry["label"], {})})
         for index, entry in enumerate(listed):
             if "measured" in entry:
                 rehearse(model, world_size, entry, Path(tmp) / f"rehearsed{index:03d}")
@@ -149,14 +159,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rows", nargs="+", default=[], metavar="LABEL",
                         help="plain, or a row as a+b, names sorted (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "rehearsal.json")
+    parser.add_argument("--measured-from-out", action="store_true",
+                        help="rehearse only; the real runs' figures from --out (the rehearsal changed, not the runs)")
     args = parser.parse_args(argv)
+    earlier = json.loads(args.out.read_text())["results"] if args.measured_from_out else {}
     from bench.spawning import machine
 
     fresh: Dict[str, List[Dict[str, Any]]] = {}
     for model in args.models:
         for world_size in args.world_sizes:
             name = f"{model} x{world_size}"
-            fresh[name] = run(model, world_size, args.rows)
+            fresh[name] = run(model, world_size, args.rows, earlier.get(name, []) if args.measured_from_out else None)
             print_table(name, fresh[name])
     # Merged into what --out holds when done (not when started: runs of other rows may overlap), a
     # subset of models, world sizes or rows replacing only its own rows.
