@@ -187,7 +187,8 @@ FIRST_BUCKET_MB = 1  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BU
 class RehearsedDDP(DistributedDataParallel):
     """DistributedDataParallel as a rehearsal runs it (DDP's C++ reducer cannot run on fake
     tensors): the same buckets (parameters in reverse order, each closed once it holds DDP's first
-    bucket's 1 MB, then `bucket_cap_mb`; a flat buffer each: a second copy of the gradients, which
+    bucket's 1 MB, then `bucket_cap_mb`, rebuilt once after the first synchronised backward in the
+    order it made the gradients; a flat buffer each: a second copy of the gradients, which
     `MemoryTracking` counts as temporaries, as a real DDP's reducer makes them in the step; under
     `gradient_as_bucket_view` the gradients themselves, each copied in as autograd makes it, as
     DDP's reducer does), reduced once a
