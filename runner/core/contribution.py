@@ -196,6 +196,10 @@ class Memory:
         kept = {"total": 1} if not self.recompute else {"total": 1, "in_blocks": -1, "block_inputs": 1}
         steady = self.stage_share * sum(sign * (fixed(part) + self.micro_batches_alive * per_micro_batch(part))
                                         for part, sign in kept.items())
+        if self.stage_share < 1 and facts.blocks:
+            # A pipeline's schedule holds each live micro-batch's stage output (a block's output: the
+            # next block's input) until its backward, beside what autograd saves.
+            steady += self.micro_batches_alive * per_micro_batch("block_inputs") / facts.blocks
         # Two moments of backward: the loss's, first, with everything saved still held (on the last
         # stage, which computes the whole loss: no stage's share); and with recompute, a block's
         # rebuild, later, once the loss's gradients and the head's saved tensors are freed. The

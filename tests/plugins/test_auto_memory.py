@@ -178,9 +178,10 @@ def test_the_loss_backward_comes_on_top_of_everything_saved(loss):
     # Recompute: the blocks' inputs in place of their own, then the larger of the two moments:
     # the loss's backward, or one block rebuilt once the head's saved tensors are freed.
     assert activations(recompute={}) == 1000 - 800 + 80 + max(loss, 200 - 100)
-    # Pipeline (2 stages, 4 micro-batches, 1F1B: 2 alive): half the layers of two micro-batches;
+    # Pipeline (2 stages, 4 micro-batches, 1F1B: 2 alive): half the layers of two micro-batches,
+    # and each one's stage output the schedule holds (a block's output, of 4 blocks' inputs 80);
     # the last stage computes the whole loss of one micro-batch, not half of it.
-    assert activations(pipeline={}) == 0.5 * 2 * 1000 / 4 + loss / 4
+    assert activations(pipeline={}) == 0.5 * 2 * 1000 / 4 + 2 * 80 / 4 / 4 + loss / 4
 
 
 def test_estimate_for_plans_the_composed_run_for_its_accelerator():
