@@ -1,14 +1,13 @@
 """The `lightfleet` command: a Hydra application (every Hydra flag, `hydra.*` key, launcher and
 sweeper plugin works as Hydra documents it), with lightfleet's checks in front of it.
 
-Bad input (a typo, a wrong type, an out-of-range value, a forbidden combination, an unknown
-`+key`) ends with one line on stderr and exit status 2 before Hydra makes any directory, any
-process starts or torch is imported: a plain `strategy=[...]` is checked against the table
-before Hydra is even imported, then the command composes the config as Hydra will and checks it
-(every job of a basic sweep too). Only then does Hydra run the job(s) (runner/command/job.py) in the
-directory the command reserved: a single run's one job on the config the command composed and
-checked (one composition, one check), a sweep's jobs through Hydra's launcher, each handed the
-command's check of it.
+Bad input (a typo, a wrong type, an out-of-range value, a forbidden combination, an unknown `+key`)
+ends with one line on stderr and exit status 2 before Hydra makes any directory, any process starts
+or torch is imported: a plain `strategy=[...]` is checked against the table before Hydra is even
+imported, then the command composes the config as Hydra will and checks it (every job of a basic
+sweep too). Only then does Hydra run the job(s) (runner/command/job.py) in the directory the command
+reserved: a single run's one job on the config the command composed and checked (one composition,
+one check), a sweep's jobs through Hydra's launcher, each handed the command's check of it.
 """
 from __future__ import annotations
 
