@@ -22,7 +22,8 @@ shard): parameters (the optimizer's and the module's, FSDP2's gathered ones incl
 their modules yet or not: FSDP2 fills them before it registers them), gradients, optimizer
 states, and saved activations: what autograd saves for backward (saved_tensors_hooks) and still
 holds, plus what recompute's rebuild of a block in backward made and still holds (from the rebuild
-until the block's backward frees it), what a pipeline's schedule keeps of a stage's forward for
+until the block's backward frees it; at step 2, through any alias: checkpoint hands autograd a new
+alias of each rebuilt tensor, which outlives the rebuild's own), what a pipeline's schedule keeps of a stage's forward for
 its backward (the stage's outputs), and the gradients the loss's backward made and still holds (not seen inside the pipeline's
 schedule, which runs its own backward). Each kind's peak is the largest value seen at any saved-
 tensor pack or unpack, after each node of the loss's backward, at the end of every module's forward,
@@ -126,18 +127,25 @@ def storages(tensors: Iterable[torch.Tensor]) -> Dict[int, int]:
 
 class Outputs(TorchDispatchMode):
     """Keeps weak references to every tensor the ops make while it is on and not `paused`: what a
-    block's recomputation in backward makes and still holds."""
+    block's recomputation in backward makes and still holds. `fresh(address)` is called for each
+    storage an op makes anew (not a view of its inputs)."""
 
-    def __init__(self, after_op: Any = None) -> None:
+    def __init__(self, after_op: Any = None, fresh: Any = None) -> None:
         super().__init__()
         self.made: List[weakref.ref] = []
         self.after_op = after_op
+        self.fresh = fresh
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self.fresh is not None:
+            given = storages(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            for address in storages(made).keys() - given.keys():
+                self.fresh(address)
         if not self.paused:
-            self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.made += [weakref.ref(t) for t in made]
         if self.after_op is not None:
             self.after_op()
         return out
@@ -159,6 +167,9 @@ class PeakMemory(pl.Callback):
         self.saved: List[weakref.ref] = []
         self.rebuilding: List[Outputs] = []
         self.rebuilt: List[Outputs] = []  # rebuilds done, what they made held until their block's backward
+        # The storages rebuilds made (step > 1), by address: checkpoint's unpacking hands autograd a
+        # new alias of a rebuilt tensor, which may outlive every tensor the rebuild made.
+        self.rebuilt_storages: set = set()
         self.loss_gradients: List[weakref.ref] = []  # made by the loss's backward, this micro-batch
         self.output: Any = None  # the model's output's autograd node, this micro-batch
         self.hooks: Any = None
@@ -173,6 +184,8 @@ class PeakMemory(pl.Callback):
         return trained + list(module.parameters()) + gathered_parameters(module)
 
     def sample(self, optimizer_states: bool = False) -> None:
+        from plugins.rehearsal import held_tensors
+
         parameters = self.parameters()
         for p in parameters:
             if p.grad is not None:
@@ -181,6 +194,8 @@ class PeakMemory(pl.Callback):
         held = {"parameters": storages(parameters), "gradients": storages(ref() for ref in self.gradients.values())}
         activations = [t for t in (ref() for ref in self.saved) if t is not None]
         activations += [t for outputs in (*self.rebuilding, *self.rebuilt) for t in outputs.alive()]
+        if self.made is not None:
+            activations += [t for t in self.made.alive() if local(t).untyped_storage().data_ptr() in self.rebuilt_storages]
         activations += [t for t in (ref() for ref in self.loss_gradients) if t is not None]
         held["activations"] = {ptr: size for ptr, size in storages(activations).items()
                                if ptr not in held["parameters"] and ptr not in held["gradients"]}
@@ -191,7 +206,10 @@ class PeakMemory(pl.Callback):
         if self.made is not None:
             held["buffers"] = storages(self.trainer.lightning_module.buffers())
             counted = {ptr for found in held.values() for ptr in found}
-            held["temporaries"] = {ptr: size for ptr, size in storages(self.made.alive()).items() if ptr not in counted}
+            # A DDP communication hook's state (DGC's momentum and residual) made in an earlier step.
+            hook_state = held_tensors(getattr(self.trainer.strategy, "comm_hook_state", None))
+            held["temporaries"] = {ptr: size for ptr, size in storages([*self.made.alive(), *hook_state]).items()
+                                   if ptr not in counted}
             held["step_peak"] = {ptr: size for found in held.values() for ptr, size in found.items()}
         for kind, found in held.items():
             self.peak[kind] = max(self.peak[kind], sum(found.values()))
@@ -212,7 +230,8 @@ class PeakMemory(pl.Callback):
         if self.hooks is None and trainer.global_step == self.step - 1 and not self.handles:
             self.watch(trainer, pl_module)
             if self.step > 1:
-                self.made = Outputs(after_op=self.sample)  # every op: the optimizer's intermediates too
+                # A storage made anew outside a rebuild is not a rebuild's (an address freed and reused).
+                self.made = Outputs(after_op=self.sample, fresh=self.rebuilt_storages.discard)  # every op: the optimizer's intermediates too
                 self.hooks.enter_context(self.made)
                 self.sample()  # the last step's gradients, before anything drops them from the parameters
 
@@ -261,10 +280,12 @@ class PeakMemory(pl.Callback):
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.loss_gradients, self.output, self.rebuilt = [], None, []
+        self.rebuilt_storages.clear()  # the step's Outputs holds its `discard`
 
     def start_rebuild(self) -> None:
         if torch._C._current_graph_task_id() != -1:  # in backward: checkpoint recomputes the block
-            self.rebuilding.append(Outputs())
+            # Entered after the step's Outputs: for one op, its `fresh` runs after that one's.
+            self.rebuilding.append(Outputs(fresh=self.rebuilt_storages.add if self.made is not None else None))
             self.rebuilding[-1].__enter__()
 
     def end_rebuild(self) -> None:

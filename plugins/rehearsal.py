@@ -30,8 +30,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 # --- torch's private API: every name a rehearsal uses, imported here and nowhere else.
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType  # noqa: E402
-from torch._C._distributed_c10d import _create_work_from_future  # noqa: E402
+from torch._C._distributed_c10d import _compute_bucket_assignment_by_size, _create_work_from_future  # noqa: E402
 from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
+from torch.nn.parallel.distributed import _BucketCapacityConfig  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 from torch.utils.flop_counter import flop_registry  # noqa: E402
 
@@ -181,14 +182,13 @@ class _NoReducer:
         pass
 
 
-FIRST_BUCKET_MB = 1  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
-
-
 class RehearsedDDP(DistributedDataParallel):
     """DistributedDataParallel as a rehearsal runs it (DDP's C++ reducer cannot run on fake
-    tensors): the same buckets (parameters in reverse order, each closed once it holds DDP's first
-    bucket's 1 MB, then `bucket_cap_mb`, rebuilt once after the first synchronised backward in the
-    order it made the gradients; a flat buffer each: a second copy of the gradients, which
+    tensors): the same buckets, assigned by torch's own functions with DDP's limits (torch 2.14:
+    every parameter in one bucket until the rebuild, unless it looks for unused parameters; rebuilt
+    once after the first synchronised backward in the order it made the gradients, each bucket
+    closed once it holds its limit, the first's 1 MB only where `bucket_cap_mb` is not given; a
+    flat buffer each: a second copy of the gradients, which
     `MemoryTracking` counts as temporaries, as a real DDP's reducer makes them in the step; under
     `gradient_as_bucket_view` the gradients themselves, each copied in as autograd makes it, as
     DDP's reducer does), reduced once a
@@ -197,7 +197,7 @@ class RehearsedDDP(DistributedDataParallel):
     collectives are the same. A DDP to whoever asks (Lightning's strategy, the pipeline's stages:
     `no_sync` and the reducer's calls before a synchronised backward), built without DDP's own setup."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
+    def __init__(self, module: nn.Module, bucket_cap_mb: Optional[float] = None, gradient_as_bucket_view: bool = False,
                  process_group: Any = None, find_unused_parameters: bool = False, **_: Any) -> None:
         nn.Module.__init__(self)
         self.module = module
@@ -209,29 +209,24 @@ class RehearsedDDP(DistributedDataParallel):
         self.hook_state: Any = process_group
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         self.hook: Any = allreduce_hook
-        self.bucket_cap_mb = bucket_cap_mb
         self.views = gradient_as_bucket_view
-        parameters = [p for p in module.parameters() if p.requires_grad]
-        self._assign(list(reversed(parameters)))
-        for parameter in parameters:
+        self.capacity = _BucketCapacityConfig.create(bucket_cap_mb, None, use_python_reducer=False)
+        self.trained = [p for p in module.parameters() if p.requires_grad]
+        limits, _ = self.capacity.compute_bucket_size_limits(static_graph=False,
+                                                             find_unused_parameters=find_unused_parameters)
+        indices, _ = _compute_bucket_assignment_by_size(self.trained, limits)
+        self._assign(list(reversed(indices)))
+        for parameter in self.trained:
             parameter.register_post_accumulate_grad_hook(self._gradient_ready)
         self._queued = False
         # DDP rebuilds its buckets once, in the order the first synchronised backward made the
         # gradients (not when it looks for unused parameters): recorded until then.
         self._ready: Optional[List[nn.Parameter]] = None if find_unused_parameters else []
 
-    def _assign(self, order: List[nn.Parameter]) -> None:
-        """DDP's assignment of `order` to buckets: a bucket closes once it holds its cap or more (one
-        dtype a bucket); a flat buffer each; gradients already made copied into theirs under views."""
-        self.buckets: List[List[nn.Parameter]] = []
-        cap, size = FIRST_BUCKET_MB * 2 ** 20, 0
-        for parameter in order:
-            if not self.buckets or size >= cap or self.buckets[-1][0].dtype != parameter.dtype:
-                cap = cap if not self.buckets else self.bucket_cap_mb * 2 ** 20
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(parameter)
-            size += parameter.nbytes
+    def _assign(self, indices: List[List[int]]) -> None:
+        """Buckets of the trained parameters at `indices` (torch's assignment); a flat buffer each;
+        gradients already made copied into theirs under views."""
+        self.buckets: List[List[nn.Parameter]] = [[self.trained[i] for i in bucket] for bucket in indices]
         self.flats: List[torch.Tensor] = []  # the buckets (under gradient_as_bucket_view: the gradients)
         self.slots: Dict[int, Tuple[int, int]] = {}  # a parameter's id -> (its bucket, its offset there)
         for index, parameters in enumerate(self.buckets):
@@ -291,8 +286,12 @@ class RehearsedDDP(DistributedDataParallel):
         # new buffers exist before a tracker): a hook keeping state by bucket (DGC) meets the new
         # layout in the next step, holding both for a moment.
         if self._ready is not None:
-            if len(self._ready) == len(self.slots):
-                self._assign(self._ready)
+            if len(self._ready) == len(self.slots):  # as the reducer's rebuild_buckets
+                limits = [self.capacity.first_bucket_bytes_cap, self.capacity.bucket_bytes_cap]
+                position = {id(p): i for i, p in enumerate(self.trained)}
+                indices, _ = _compute_bucket_assignment_by_size(
+                    self._ready, limits, [False] * len(self._ready), [position[id(p)] for p in self._ready])
+                self._assign(indices)
             self._ready = None
 
 
@@ -319,11 +318,23 @@ class _RunningModulesTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._named: Dict[str, Dict[nn.Module, Any]] = defaultdict(dict)  # name -> {module: its statistics}
+        self.after_op: Optional[Any] = None  # called with the current snapshot after every op it counts
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         super()._pre_fw_hook(module, inputs)
         statistics = self.memory_tracking[module]
         self._named[statistics.mod_fqn][module] = statistics
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> Any:
+        """torch's, without its hook on each parameter's incoming gradient, which tags the gradient
+        as one before autograd accumulates it: under accumulation a micro-batch's incoming gradient
+        is a temporary added into the one the parameter holds (its post-accumulate hook, kept, tags
+        what the parameter then holds)."""
+        found = super()._track_module_params_and_buffers(module, install_grad_hooks)
+        for parameter in module.parameters():
+            if parameter in self._param_to_grad_hook_handles:  # removing twice is harmless: the exit does
+                self._param_to_grad_hook_handles[parameter][0].remove()
+        return found
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         seen = self.memory_tracking
@@ -333,6 +344,8 @@ class _RunningModulesTracker(MemTracker):
             super()._update_peak_stats(peak_state)
         finally:
             self.memory_tracking = seen
+        if self.after_op is not None:
+            self.after_op(self._curr_mem_snap)
 
 
 class MemoryTracking:
@@ -366,6 +379,8 @@ class MemoryTracking:
         self._peaks: Dict[str, int] = dict.fromkeys(MEMORY_PARTS, 0)  # each part's most, over the snapshots
         self._gather: Optional[AfterEachOp] = None  # on while FSDP2 gathers a unit
         self._unit_inputs: set = set()  # the unit's inputs' storages
+        self._transient: List[AfterEachOp] = []  # on while a recomputed block runs its forward
+        self.tracker.after_op = lambda snapshot: self._fold([[snapshot]])
 
     def _fold(self, snapshot_lists: Any) -> None:
         """Each part's peak over the tracker's snapshots (taken at every module's forward and backward)."""
@@ -451,6 +466,38 @@ class MemoryTracking:
         winfo, _ = self.tracker._WINFO.get(tensor.untyped_storage(), (None, None))
         return getattr(winfo, "reftype", None)
 
+    def _checkpointed(self, module: nn.Module, args: Any) -> None:
+        """A recomputed block's forward (not its rebuild in backward, MemTracker's AC region, whose
+        tensors are activations): autograd keeps nothing of what it makes, so what it makes are
+        temporaries (MemTracker calls them activations, made in a forward) until it returns."""
+        if not self.tracker._mod_tracker.is_bw:
+            self._transient.append(AfterEachOp(self._made_transient, around=self._as_intermediate))
+            self._transient[-1].__enter__()
+
+    def _checkpointed_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Its outputs are kept: the next block's inputs, which checkpoint keeps for the rebuild."""
+        if not self.tracker._mod_tracker.is_bw and self._transient:
+            self._transient.pop().__exit__(None, None, None)
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and self._tagged(tensor) == _MemRefType.TEMP:
+                    self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.ACT)
+            self._fold([[self.tracker.get_tracker_snapshot()]])
+
+    @contextlib.contextmanager
+    def _as_intermediate(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        """What an op makes tagged as an optimizer step's intermediates, which `_fold` counts as
+        temporaries, while the tracker takes its modules' peaks; `_made_transient` then tags them."""
+        entry, self.tracker._in_opt = self.tracker._in_opt, True
+        try:
+            yield
+        finally:
+            self.tracker._in_opt = entry
+
+    def _made_transient(self, args: tuple, kwargs: dict, out: Any) -> None:
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and self._tagged(tensor) == _MemRefType.OPT:
+                self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
+
     def _gathered_unit(self, module: nn.Module, args: Any) -> None:
         """After FSDP2 gathered a unit: its all-gather's buffers stay temporaries (MemTracker calls
         them activations, made in a forward), the gathered parameters are parameters."""
@@ -466,6 +513,10 @@ class MemoryTracking:
             if isinstance(module, FSDPModule):
                 self._stack.callback(module.register_forward_pre_hook(self._gathering, prepend=True).remove)
                 self._stack.callback(module.register_forward_pre_hook(self._gathered_unit).remove)
+        for module in self.model.modules():
+            if hasattr(module, "_checkpoint_wrapped_module"):  # recompute's wrapper
+                self._stack.callback(module.register_forward_pre_hook(self._checkpointed).remove)
+                self._stack.callback(module.register_forward_hook(self._checkpointed_done).remove)
         self._stack.enter_context(self.tracker)
         return self
 

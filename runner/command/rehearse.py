@@ -30,6 +30,7 @@ from runner.config.compat import check, load_table
 from runner.config.rehearse import (RankKind, RehearseConfig, Target, Verdict, console_line, heaviest, rank_kinds,
                                     refusal, to_fit, verdict)
 from runner.core.errors import ConfigError, Refusal, exit_on_user_error
+from runner.core.paths import python_module
 from runner.core.prediction import Prediction, load_devices, predict
 from runner.core.world import Layout, World
 from runner.rank.parent import INTERRUPTED, exit_status
@@ -274,7 +275,8 @@ def start_rank(run_dir: Path, kind: RankKind, steps: int, device_type: str) -> s
     report = run_dir / REHEARSAL_REPORT.format(rank=kind.rank)
     report.parent.mkdir(parents=True, exist_ok=True)
     with open(report.with_suffix(".log"), "w") as log:
-        return subprocess.Popen([sys.executable, "-m", RANK_MODULE, str(run_dir), "--rank", str(kind.rank),
+        # Without the working directory on its path (a `runner/` of the user's there shadows nothing).
+        return subprocess.Popen([*python_module(RANK_MODULE), str(run_dir), "--rank", str(kind.rank),
                                  "--steps", str(steps), "--device-type", device_type, "--out", str(report)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 

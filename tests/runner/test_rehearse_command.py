@@ -2,15 +2,13 @@
 layout, its verdict against the device's memory, and the whole command's console lines,
 rehearsal.yaml and exit status.
 
-The rank side (`python -m runner.rank.rehearse`, part "rank") is not merged yet: the whole-command
-tests run the real command with `RANK_MODULE` pointed at STAND_IN, a script that writes the
-contract's report (/work/briefs/issue42-design.md) with the figures below, so that the command's
-orchestration, console and verdict are checked against figures fixed here. Once part "rank"
-lands, `test_a_tiny_model_fits_and_does_not_fit_a_tiny_device` runs the real ranks.
+Most whole-command tests run the real command with `RANK_MODULE` pointed at STAND_IN, a script
+that writes a rank's report (`python -m runner.rank.rehearse`'s) with the figures below, so that
+the command's orchestration, console and verdict are checked against figures fixed here;
+`test_a_tiny_model_fits_and_does_not_fit_a_tiny_device` runs the real ranks.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -27,6 +25,7 @@ from runner.core.errors import ConfigError
 from runner.core.world import Layout
 from tests.helpers.commands import command_env
 from tests.helpers.preemption import wait_for, wait_gone
+from tests.helpers.user_code import shadowing_packages
 
 MIB = 2**20
 # The stand-in's figures, per rank: 4 MiB parameters, 4 MiB gradients, 8 MiB optimizer states,
@@ -343,11 +342,12 @@ def test_sigterm_to_the_command_ends_its_ranks_and_says_so(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("runner.rank.rehearse") is None,
-                    reason="the rank side (part 'rank' of issue 42) is not merged yet")
 def test_a_tiny_model_fits_and_does_not_fit_a_tiny_device(lightfleet, tmp_path):
     """The real ranks: the default MLP over 2 processes of stage-2 sharding fits an H100; against
-    0.5 GiB (less than the CUDA context and NCCL's buffers) it does not."""
+    0.5 GiB (less than the CUDA context and NCCL's buffers) it does not. The user's directory has
+    packages named as lightfleet's, which the ranks started there must not import (they did:
+    `python -m` puts the working directory first)."""
+    shadowing_packages(tmp_path, "runner", "plugins")
     args = ("rehearse", "trainer.devices=2", "strategy=[sharding]", "strategy.sharding.stage=2", *QUIET)
     done = lightfleet(*args, "paths.output_dir=fits")
     assert done.returncode == 0, done.stderr[-3000:]
