@@ -363,7 +363,9 @@ class MemoryTracking:
     again for recompute's rebuild inside backward, where MemTracker would call them activations);
     the optimizer's states are what it holds from step to step (MemTracker tags all its step makes
     as state: the step's intermediates are temporaries here); DDP's buckets are temporaries, as a
-    real DDP's reducer makes them in the step (not the modules' buffers)."""
+    real DDP's reducer makes them in the step (not the modules' buffers); what a recomputed block's
+    forward makes inside it is temporaries (autograd keeps none of it). Each part's peak is taken
+    after every op (MemTracker keeps snapshots at modules' hooks and at the step's peak only)."""
 
     def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> None:
         self.model = model

@@ -342,12 +342,18 @@ def test_sigterm_to_the_command_ends_its_ranks_and_says_so(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_tiny_model_fits_and_does_not_fit_a_tiny_device(lightfleet, tmp_path):
+def test_a_tiny_model_fits_and_does_not_fit_a_tiny_device(tmp_path):
     """The real ranks: the default MLP over 2 processes of stage-2 sharding fits an H100; against
-    0.5 GiB (less than the CUDA context and NCCL's buffers) it does not. The user's directory has
-    packages named as lightfleet's, which the ranks started there must not import (they did:
-    `python -m` puts the working directory first)."""
+    0.5 GiB (less than the CUDA context and NCCL's buffers) it does not. The user's directory has a
+    `runner/` package, which the ranks started there must not import (they did: `python -m` puts
+    the working directory first); the command is `python -P -m runner`, as the installed
+    `lightfleet` script does not look there either."""
     shadowing_packages(tmp_path, "runner", "plugins")
+
+    def lightfleet(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-P", "-m", "runner", *args], cwd=tmp_path, env=command_env(),
+                              capture_output=True, text=True, timeout=600)
+
     args = ("rehearse", "trainer.devices=2", "strategy=[sharding]", "strategy.sharding.stage=2", *QUIET)
     done = lightfleet(*args, "paths.output_dir=fits")
     assert done.returncode == 0, done.stderr[-3000:]
