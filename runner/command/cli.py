@@ -61,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args and args[0] in RUN_DIR_COMMANDS:
                 args = from_run_dir(args[0], args[1:])
             elif args:
-                usage.check_subcommand(args[0])
+                usage.check_subcommand(args[0], args[1:])
             if {"-m", "--multirun", *SHOW_FLAGS} & set(args):
                 return run_app(args)
             preflight.command_line(args)

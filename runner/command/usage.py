@@ -107,9 +107,15 @@ def version_text() -> str:
             f"{version('pytorch-lightning')}, hydra-core {version('hydra-core')})\n")
 
 
-def check_subcommand(word: str) -> None:
+def check_subcommand(word: str, rest: Sequence[str] = ()) -> None:
     """A first argument that is neither an override (KEY=VALUE, +KEY=VALUE, ~KEY) nor a flag is
-    meant as a subcommand: refused in one line, with the nearest subcommand."""
+    meant as a subcommand: refused in one line, with the nearest subcommand. A subcommand after
+    flags (`-cd cfg rehearse`) is refused with the order that works."""
+    words = [word, *rest]
+    for place, later in enumerate(words[1:], 1):
+        if later in SUBCOMMANDS and not words[place - 1].startswith("-"):  # not a flag's value (-cd rehearse)
+            others = " ".join(w for i, w in enumerate(words) if i != place)
+            raise ConfigError("lightfleet", later, f"a subcommand comes first: lightfleet {later} {others}")
     if "=" in word or word.startswith(("-", "~")):
         return
     raise ConfigError("lightfleet", word, f"no such subcommand ({', '.join(SUBCOMMANDS)}) nor an override "

@@ -274,6 +274,11 @@ def test_version_names_lightfleets_and_a_misspelt_subcommand_gets_did_you_mean(l
     assert version.returncode == 0 and version.stdout.startswith("lightfleet 0.") and "torch " in version.stdout
     typo = lightfleet("reprot")
     assert typo.returncode == 2 and "did you mean report?" in typo.stderr and len(typo.stderr.splitlines()) == 1
+    # A subcommand after a flag and its value: the order that works (Hydra said "Error parsing override").
+    late = lightfleet("-cd", "cfg", "rehearse", "trainer.devices=8")
+    assert late.returncode == 2 and late.stderr == (
+        "lightfleet: error: lightfleet='rehearse': a subcommand comes first: lightfleet rehearse -cd cfg "
+        "trainer.devices=8\n")
 
 
 # --------------------------------------------------------------------------- every documented form of every subcommand
