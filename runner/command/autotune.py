@@ -190,7 +190,8 @@ class Rehearsal(Judge):
             print(f"auto: rehearsal {count}/{len(pending)} {c.label}: {c.status}"
                   + (f": {c.reason}" if c.reason else "") + f" ({c.trial_s:.0f} s; about {left:.0f} s more)", flush=True)
         fitting = [c for c in judging.listed if c.status == "fits"]
-        if not fitting:
+        if not fitting:  # each candidate's verdict kept for the user
+            write_candidates(judging.auto_dir, judging.listed)
             raise ConfigError(knobs.memory_key(), None, no_rehearsal_fits(judging.listed))
 
         def compare(a: Candidate, b: Candidate) -> str:
@@ -500,16 +501,7 @@ def with_strategies(spec: RunSpec, strategies: Dict[str, Dict[str, Any]], trial_
 
 def write_records(auto_dir: Path, chosen: RunSpec, auto: AutoConfig, facts: Facts, listed: List[Candidate],
                   choice: Choice) -> None:
-    auto_dir.mkdir(parents=True, exist_ok=True)
-    with (auto_dir / CANDIDATES_CSV).open("w", newline="") as out:
-        table = csv.writer(out)
-        table.writerow(["candidate", "strategies", "status", "reason", "micro_batch", "estimated_memory_mib",
-                        "estimated_speed", *MEASURED, *(f"rehearsed_{key}" for key in REHEARSED), "trial_s"])
-        for number, c in enumerate(listed):
-            table.writerow([number, c.label, c.status, c.reason, c.micro_batch, round(c.memory.total / 2**20, 2),
-                            round(c.speed, 3), *(c.measured.get(key, "") for key in MEASURED),
-                            *("" if c.rehearsed.get(key) is None else c.rehearsed[key] for key in REHEARSED),
-                            "" if c.trial_s is None else round(c.trial_s, 1)])
+    write_candidates(auto_dir, listed)
     winner = choice.winner
     write_yaml(auto_dir / CHOICE_YAML, {"mode": auto.mode, "chosen": winner.label, "strategies": winner.strategies,
                                         "micro_batch": winner.micro_batch, "reason": winner.reason,
@@ -522,6 +514,20 @@ def write_records(auto_dir: Path, chosen: RunSpec, auto: AutoConfig, facts: Fact
                                                        "status": FINISHED if c.status == "ok" else c.status}
                                                 for name, c in tried.items()}})
     write_experiment(auto_dir, chosen, winner)
+
+
+def write_candidates(auto_dir: Path, listed: Sequence[Candidate]) -> None:
+    """candidates.csv: every candidate, its status and why, also when none is chosen."""
+    auto_dir.mkdir(parents=True, exist_ok=True)
+    with (auto_dir / CANDIDATES_CSV).open("w", newline="") as out:
+        table = csv.writer(out)
+        table.writerow(["candidate", "strategies", "status", "reason", "micro_batch", "estimated_memory_mib",
+                        "estimated_speed", *MEASURED, *(f"rehearsed_{key}" for key in REHEARSED), "trial_s"])
+        for number, c in enumerate(listed):
+            table.writerow([number, c.label, c.status, c.reason, c.micro_batch, round(c.memory.total / 2**20, 2),
+                            round(c.speed, 3), *(c.measured.get(key, "") for key in MEASURED),
+                            *("" if c.rehearsed.get(key) is None else c.rehearsed[key] for key in REHEARSED),
+                            "" if c.trial_s is None else round(c.trial_s, 1)])
 
 
 def trial_overrides(c: Candidate, facts: Facts) -> List[str]:

@@ -156,3 +156,8 @@ def test_when_no_candidate_fits_the_one_needing_least_is_named_in_one_line(light
                                                    "fits: the one that needs least, "), lines
     assert "rank 0 (one process) needs " in lines[0] and lines[0].count("device_memory_gb") == 1
     assert not (tmp_path / "run" / "auto" / "choice.yaml").exists()
+    # Each candidate's verdict is kept: candidates.csv (it was not written when none fitted).
+    with (tmp_path / "run" / "auto" / "candidates.csv").open() as table:
+        rows = list(csv.DictReader(table))
+    assert len(rows) == 2 and {row["status"] for row in rows} == {"does not fit"}
+    assert all("needs " in row["reason"] and int(row["rehearsed_needs_bytes"]) > 2**20 for row in rows)
