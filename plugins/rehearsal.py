@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -367,8 +367,10 @@ class MemoryTracking:
     forward makes inside it is temporaries (autograd keeps none of it). Each part's peak is taken
     after every op (MemTracker keeps snapshots at modules' hooks and at the step's peak only)."""
 
-    def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> None:
+    def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer], stages: Sequence[nn.Module] = ()
+                 ) -> None:
         self.model = model
+        self.stages = stages  # what the step runs besides the model: a pipeline's traced stages
         self.tracker = _RunningModulesTracker()
         self.tracker.track_external(model, *(getattr(optimizer, "optim", optimizer) for optimizer in optimizers))
         # DDP's buckets and what its communication hook keeps between steps (DGC's momentum and
@@ -515,7 +517,7 @@ class MemoryTracking:
             if isinstance(module, FSDPModule):
                 self._stack.callback(module.register_forward_pre_hook(self._gathering, prepend=True).remove)
                 self._stack.callback(module.register_forward_pre_hook(self._gathered_unit).remove)
-        for module in self.model.modules():
+        for module in (m for root in (self.model, *self.stages) for m in root.modules()):
             if hasattr(module, "_checkpoint_wrapped_module"):  # recompute's wrapper
                 self._stack.callback(module.register_forward_pre_hook(self._checkpointed).remove)
                 self._stack.callback(module.register_forward_hook(self._checkpointed_done).remove)
