@@ -184,7 +184,7 @@ class PeakMemory(pl.Callback):
         return trained + list(module.parameters()) + gathered_parameters(module)
 
     def sample(self, optimizer_states: bool = False) -> None:
-        from plugins.rehearsal import held_tensors
+        from plugins.rehearsal import held_tensors, receive_buffers
 
         parameters = self.parameters()
         for p in parameters:
@@ -206,9 +206,11 @@ class PeakMemory(pl.Callback):
         if self.made is not None:
             held["buffers"] = storages(self.trainer.lightning_module.buffers())
             counted = {ptr for found in held.values() for ptr in found}
-            # A DDP communication hook's state (DGC's momentum and residual) made in an earlier step.
-            hook_state = held_tensors(getattr(self.trainer.strategy, "comm_hook_state", None))
-            held["temporaries"] = {ptr: size for ptr, size in storages([*self.made.alive(), *hook_state]).items()
+            # Made in an earlier step: a DDP communication hook's state (DGC's momentum and residual),
+            # a pipeline stage's receive buffers.
+            kept = [*held_tensors(getattr(self.trainer.strategy, "comm_hook_state", None)),
+                    *(t for stage in getattr(self.trainer.strategy, "stages", []) for t in receive_buffers(stage))]
+            held["temporaries"] = {ptr: size for ptr, size in storages([*self.made.alive(), *kept]).items()
                                    if ptr not in counted}
             held["step_peak"] = {ptr: size for found in held.values() for ptr, size in found.items()}
         for kind, found in held.items():

@@ -367,16 +367,16 @@ class MemoryTracking:
     forward makes inside it is temporaries (autograd keeps none of it). Each part's peak is taken
     after every op (MemTracker keeps snapshots at modules' hooks and at the step's peak only)."""
 
-    def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer], stages: Sequence[nn.Module] = ()
-                 ) -> None:
+    def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer], stages: Sequence[Any] = ()) -> None:
         self.model = model
-        self.stages = stages  # what the step runs besides the model: a pipeline's traced stages
+        self.stages = [stage.submod for stage in stages]  # a pipeline's traced copies, which the step runs
         self.tracker = _RunningModulesTracker()
         self.tracker.track_external(model, *(getattr(optimizer, "optim", optimizer) for optimizer in optimizers))
         # DDP's buckets and what its communication hook keeps between steps (DGC's momentum and
-        # residual), made before the tracker: "Other", temporaries.
+        # residual), a pipeline stage's receive buffers, made before the tracker: "Other", temporaries.
         held = [t for module in model.modules() if isinstance(module, RehearsedDDP)
                 for t in (*(module.flats if not module.views else ()), *held_tensors(module.hook_state))]
+        held += [t for stage in stages for t in receive_buffers(stage)]
         self.tracker.track_external(*(t for t in held if self.tracker._WINFO.get(t.untyped_storage()) is None))
         self._state = self._categories(self.tracker.get_tracker_snapshot())["optimizer_states"]  # kept between steps
         self._stack = contextlib.ExitStack()
@@ -548,6 +548,13 @@ def held_tensors(state: Any, depth: int = 3) -> List[torch.Tensor]:
     items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) \
         else vars(state).values() if hasattr(state, "__dict__") else ()
     return [t for item in items for t in held_tensors(item, depth - 1)]
+
+
+def receive_buffers(stage: Any) -> List[torch.Tensor]:
+    """A pipeline stage's buffers for what it receives (activations forward, gradients backward),
+    one per micro-batch, kept from step to step (torch's PipelineStage)."""
+    infos = [info for chunk in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()) for info in chunk]
+    return [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
 
 
 def storage_ids(tree: Any) -> set:

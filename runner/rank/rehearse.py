@@ -140,8 +140,7 @@ class RehearsalLoop:
         with rules:
             for _ in range(self.steps - 1):  # one synchronised micro-batch makes the optimizer's state
                 self.step(trainer, batch, accumulation, callbacks, counter, [(accumulation - 1, 1)])
-            stages = [stage.submod for stage in getattr(strategy, "stages", [])]  # a pipeline's traced copies
-            self.tracker = rehearsal.MemoryTracking(strategy.model, trainer.optimizers, stages)
+            self.tracker = rehearsal.MemoryTracking(strategy.model, trainer.optimizers, getattr(strategy, "stages", []))
             with self.tracker, counter, backend:
                 self.step(trainer, batch, accumulation, callbacks, counter, micro_batches(accumulation))
             memory, self.tracker = self.tracker.parts(), None
