@@ -207,9 +207,11 @@ class PeakMemory(pl.Callback):
             held["buffers"] = storages(self.trainer.lightning_module.buffers())
             counted = {ptr for found in held.values() for ptr in found}
             # Made in an earlier step: a DDP communication hook's state (DGC's momentum and residual),
-            # a pipeline stage's receive buffers.
+            # a pipeline stage's buffers for what it receives (its inputs, once its forward saves
+            # them, are activations above).
             kept = [*held_tensors(getattr(self.trainer.strategy, "comm_hook_state", None)),
-                    *(t for stage in getattr(self.trainer.strategy, "stages", []) for t in receive_buffers(stage))]
+                    *(t for stage in getattr(self.trainer.strategy, "stages", []) for gradients in (False, True)
+                      for t in receive_buffers(stage, gradients))]
             held["temporaries"] = {ptr: size for ptr, size in storages([*self.made.alive(), *kept]).items()
                                    if ptr not in counted}
             held["step_peak"] = {ptr: size for found in held.values() for ptr, size in found.items()}

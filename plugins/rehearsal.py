@@ -373,11 +373,15 @@ class MemoryTracking:
         self.tracker = _RunningModulesTracker()
         self.tracker.track_external(model, *(getattr(optimizer, "optim", optimizer) for optimizer in optimizers))
         # DDP's buckets and what its communication hook keeps between steps (DGC's momentum and
-        # residual), a pipeline stage's receive buffers, made before the tracker: "Other", temporaries.
+        # residual), a pipeline stage's buffers for the gradients it receives, made before the
+        # tracker: "Other", temporaries; its buffers for the activations it receives are its inputs,
+        # which its forward saves: activations.
         held = [t for module in model.modules() if isinstance(module, RehearsedDDP)
                 for t in (*(module.flats if not module.views else ()), *held_tensors(module.hook_state))]
-        held += [t for stage in stages for t in receive_buffers(stage)]
+        held += [t for stage in stages for t in receive_buffers(stage, gradients=True)]
         self.tracker.track_external(*(t for t in held if self.tracker._WINFO.get(t.untyped_storage()) is None))
+        for tensor in (t for stage in stages for t in receive_buffers(stage, gradients=False)):
+            self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.ACT)
         self._state = self._categories(self.tracker.get_tracker_snapshot())["optimizer_states"]  # kept between steps
         self._stack = contextlib.ExitStack()
         self._peaks: Dict[str, int] = dict.fromkeys(MEMORY_PARTS, 0)  # each part's most, over the snapshots
@@ -474,13 +478,13 @@ class MemoryTracking:
         """A recomputed block's forward (not its rebuild in backward, MemTracker's AC region, whose
         tensors are activations): autograd keeps nothing of what it makes, so what it makes are
         temporaries (MemTracker calls them activations, made in a forward) until it returns."""
-        if not self.tracker._mod_tracker.is_bw:
+        if torch._C._current_graph_task_id() == -1:  # not in backward (autograd's own word: a pipeline's schedule runs its own)
             self._transient.append(AfterEachOp(self._made_transient, around=self._as_intermediate))
             self._transient[-1].__enter__()
 
     def _checkpointed_done(self, module: nn.Module, args: Any, output: Any) -> None:
         """Its outputs are kept: the next block's inputs, which checkpoint keeps for the rebuild."""
-        if not self.tracker._mod_tracker.is_bw and self._transient:
+        if torch._C._current_graph_task_id() == -1 and self._transient:
             self._transient.pop().__exit__(None, None, None)
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and self._tagged(tensor) == _MemRefType.TEMP:
@@ -550,11 +554,12 @@ def held_tensors(state: Any, depth: int = 3) -> List[torch.Tensor]:
     return [t for item in items for t in held_tensors(item, depth - 1)]
 
 
-def receive_buffers(stage: Any) -> List[torch.Tensor]:
-    """A pipeline stage's buffers for what it receives (activations forward, gradients backward),
-    one per micro-batch, kept from step to step (torch's PipelineStage)."""
-    infos = [info for chunk in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()) for info in chunk]
-    return [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+def receive_buffers(stage: Any, gradients: bool) -> List[torch.Tensor]:
+    """A pipeline stage's buffers for what it receives, one per micro-batch, kept from step to step
+    (torch's PipelineStage): the activations its forward takes, or (`gradients`) the gradients of
+    its outputs its backward takes."""
+    chunks = (stage.grad_recv_info if gradients else stage.args_recv_info).values()
+    return [info.buffer for chunk in chunks for info in chunk if isinstance(getattr(info, "buffer", None), torch.Tensor)]
 
 
 def storage_ids(tree: Any) -> set:
