@@ -4,6 +4,8 @@ has taken a few steps; `wait_for` a file, `rank_pids` of a process (`process_tre
 `wait_gone` of processes."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,6 +70,17 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def stop(pid: int, within: float = 10) -> None:
+    """SIGSTOP `pid` and wait until each of its threads is stopped (kill() returns before they
+    are: a thread on another core runs on for a moment)."""
+    os.kill(pid, signal.SIGSTOP)
+    since = time.monotonic()
+    while any(Path(task, "stat").read_text().rsplit(")", 1)[1].split()[0] not in "Tt"
+              for task in Path(f"/proc/{pid}/task").iterdir()):
+        assert time.monotonic() - since < within, f"process {pid} did not stop"
+        time.sleep(0.0005)
 
 
 def wait_gone(pids: list, within: float) -> None:

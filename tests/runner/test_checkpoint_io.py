@@ -32,6 +32,7 @@ from runner.rank.resume import restorable, storable
 from runner.records import checkpoints
 from tests.helpers.commands import PROJECT_ROOT, command_env
 from tests.helpers.full_disk import small_filesystem
+from tests.helpers.preemption import stop
 
 
 def checkpoint(step: int, scale: float = 1.0) -> dict:
@@ -231,7 +232,7 @@ def test_a_process_stopped_or_killed_mid_save_leaves_last_ckpt_and_only_checkpoi
     # what a kill there would leave; then killed for real.
     for pause_s in [0.001 * k for k in range(1, 30, 2)]:
         time.sleep(pause_s)
-        os.kill(saving.pid, signal.SIGSTOP)
+        stop(saving.pid)
         try:
             checked(tmp_path)
         finally:
