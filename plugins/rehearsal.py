@@ -391,7 +391,7 @@ class MemoryTracking:
         self.tracker.after_op = lambda snapshot: self._fold([[snapshot]])
 
     def _fold(self, snapshot_lists: Any) -> None:
-        """Each part's peak over the tracker's snapshots (taken at every module's forward and backward)."""
+        """Each part's peak over the tracker's snapshots (after every op, at modules' hooks)."""
         for snapshots in snapshot_lists:
             for snapshot in snapshots:
                 parts = self._categories(snapshot)
@@ -478,7 +478,7 @@ class MemoryTracking:
         """A recomputed block's forward (not its rebuild in backward, MemTracker's AC region, whose
         tensors are activations): autograd keeps nothing of what it makes, so what it makes are
         temporaries (MemTracker calls them activations, made in a forward) until it returns."""
-        if torch._C._current_graph_task_id() == -1:  # not in backward (autograd's own word: a pipeline's schedule runs its own)
+        if torch._C._current_graph_task_id() == -1:  # not in backward (autograd's word: a pipeline runs its own)
             self._transient.append(AfterEachOp(self._made_transient, around=self._as_intermediate))
             self._transient[-1].__enter__()
 
@@ -559,7 +559,8 @@ def receive_buffers(stage: Any, gradients: bool) -> List[torch.Tensor]:
     (torch's PipelineStage): the activations its forward takes, or (`gradients`) the gradients of
     its outputs its backward takes."""
     chunks = (stage.grad_recv_info if gradients else stage.args_recv_info).values()
-    return [info.buffer for chunk in chunks for info in chunk if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+    buffers = [getattr(info, "buffer", None) for chunk in chunks for info in chunk]
+    return [buffer for buffer in buffers if isinstance(buffer, torch.Tensor)]
 
 
 def storage_ids(tree: Any) -> set:

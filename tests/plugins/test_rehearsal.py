@@ -80,10 +80,13 @@ def test_memtracker_still_has_the_categories_and_state_the_adapter_reads():
         and isinstance(tracker._mod_tracker.parents, set), (
         f"torch {torch.__version__} changed MemTracker's per-module state, which plugins/rehearsal.py's "
         f"MemoryTracking resets at each micro-batch")
-    # MemoryTracking tags tensors again (gathered parameters, the callbacks' ops) and reads their tags.
+    # MemoryTracking tags tensors again (gathered parameters, the callbacks' ops) and reads their tags,
+    # reads the running totals after every op, and removes the hooks on incoming gradients.
     with tracker:
         assert callable(tracker._update_and_maybe_create_winfos) and hasattr(tracker._WINFO, "get") and \
-            isinstance(tracker._in_opt, bool) and hasattr(tracker, "_fake_mode_on_entry"), (
+            isinstance(tracker._in_opt, bool) and hasattr(tracker, "_fake_mode_on_entry") and \
+            isinstance(tracker._curr_mem_snap, dict) and hasattr(tracker._param_to_grad_hook_handles, "get") and \
+            callable(tracker._track_module_params_and_buffers), (
             f"torch {torch.__version__} changed MemTracker's tagging, which plugins/rehearsal.py's MemoryTracking "
             f"uses")
 
@@ -226,11 +229,14 @@ def real_ddp_buckets(where: Path, bucket_cap_mb: Optional[float]) -> List[List[L
     try:
         model = _UsedInAnotherOrder()
         wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-        layouts = []
-        for _ in range(2):
-            layouts.append(_bucket_names(model, (b.parameters() for b in wrapped.reducer._get_zeros_like_grad_buckets())))
+
+        def layout() -> List[List[str]]:
+            return _bucket_names(model, (b.parameters() for b in wrapped.reducer._get_zeros_like_grad_buckets()))
+
+        built = layout()
+        for _ in range(2):  # the reducer rebuilds in the second step's forward
             wrapped(torch.randn(4, 512)).sum().backward()
-        return [layouts[0], _bucket_names(model, (b.parameters() for b in wrapped.reducer._get_zeros_like_grad_buckets()))]
+        return [built, layout()]
     finally:
         dist.destroy_process_group()
 
