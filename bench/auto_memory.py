@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # runner/, plugins/ and bench/ when lightfleet is not installed
+from plugins.rehearsal import gathered_parameters, held_tensors, receive_buffers  # noqa: E402
 from runner.models import ClassifierModule, OptimizerFactory  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer_states", "activations")
@@ -177,15 +178,11 @@ class PeakMemory(pl.Callback):
         self.trainer: Optional[pl.Trainer] = None
 
     def parameters(self) -> List[torch.Tensor]:
-        from plugins.rehearsal import gathered_parameters
-
         trained = [p for optimizer in self.trainer.optimizers for group in optimizer.param_groups for p in group["params"]]
         module = self.trainer.lightning_module
         return trained + list(module.parameters()) + gathered_parameters(module)
 
     def sample(self, optimizer_states: bool = False) -> None:
-        from plugins.rehearsal import held_tensors, receive_buffers
-
         parameters = self.parameters()
         for p in parameters:
             if p.grad is not None:

@@ -116,8 +116,8 @@ def run(model: str, world_size: int, chosen: List[str], measured: Optional[List[
         else:
             earlier = {entry["label"]: entry for entry in measured}
             for entry in listed:
-                entry.update({key: earlier.get(entry["label"], {})[key] for key in ("measured", "refused")
-                              if key in earlier.get(entry["label"], {})})
+                found = earlier.get(entry["label"], {})
+                entry.update({key: found[key] for key in ("measured", "refused") if key in found})
         for index, entry in enumerate(listed):
             if "measured" in entry:
                 rehearse(model, world_size, entry, Path(tmp) / f"rehearsed{index:03d}")

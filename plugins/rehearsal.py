@@ -369,7 +369,7 @@ class MemoryTracking:
 
     def __init__(self, model: nn.Module, optimizers: List[torch.optim.Optimizer], stages: Sequence[Any] = ()) -> None:
         self.model = model
-        self.stages = [stage.submod for stage in stages]  # a pipeline's traced copies, which the step runs
+        self.stage_modules = [stage.submod for stage in stages]  # a pipeline's traced copies, which the step runs
         self.tracker = _RunningModulesTracker()
         self.tracker.track_external(model, *(getattr(optimizer, "optim", optimizer) for optimizer in optimizers))
         # DDP's buckets and what its communication hook keeps between steps (DGC's momentum and
@@ -448,17 +448,26 @@ class MemoryTracking:
         self._gather.__enter__()
 
     @contextlib.contextmanager
-    def _gather_op(self, args: tuple, kwargs: dict) -> Iterator[None]:
-        """One op of the gather: what the tracker tags in it (new tensors, and buffers written in
-        place that it first sees there) tagged as an optimizer step's intermediates, which `_fold`
-        counts as temporaries, while the tracker takes its modules' peaks (MemTracker would call
-        them activations, made in a forward; `_made` then tags them temporaries for good)."""
+    def _as_intermediates(self, on: bool) -> Iterator[None]:
+        """With `on`, what the tracker tags inside (new tensors, and buffers written in place that it
+        first sees there) tagged as an optimizer step's intermediates, which `_fold` counts as
+        temporaries, while the tracker takes its modules' peaks (MemTracker would call them
+        activations, made in a forward); `_temporaries` then tags them temporaries for good."""
         entry = self.tracker._in_opt
-        self.tracker._in_opt = entry or not storage_ids((args, kwargs)) & self._unit_inputs
+        self.tracker._in_opt = entry or on
         try:
             yield
         finally:
             self.tracker._in_opt = entry
+
+    def _temporaries(self, out: Any) -> None:
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and self._tagged(tensor) == _MemRefType.OPT:
+                self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
+
+    def _gather_op(self, args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+        """One op of the gather, but its casts of the unit's inputs (activations), as intermediates."""
+        return self._as_intermediates(not storage_ids((args, kwargs)) & self._unit_inputs)
 
     def _made(self, args: tuple, kwargs: dict, out: Any) -> None:
         """Each op's tensors tagged in the gather (`_gather_op`): temporaries, its all-gather's
@@ -466,9 +475,7 @@ class MemoryTracking:
         shards themselves, no all-gather; a unit of the whole model's parameters would be
         activations until registered), `_gathered_unit` then tags the parameters among them."""
         if not storage_ids((args, kwargs)) & self._unit_inputs:
-            for tensor in tree_leaves(out):
-                if isinstance(tensor, torch.Tensor) and self._tagged(tensor) == _MemRefType.OPT:
-                    self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
+            self._temporaries(out)
 
     def _tagged(self, tensor: torch.Tensor) -> Optional[_MemRefType]:
         winfo, _ = self.tracker._WINFO.get(tensor.untyped_storage(), (None, None))
@@ -479,7 +486,8 @@ class MemoryTracking:
         tensors are activations): autograd keeps nothing of what it makes, so what it makes are
         temporaries (MemTracker calls them activations, made in a forward) until it returns."""
         if torch._C._current_graph_task_id() == -1:  # not in backward (autograd's word: a pipeline runs its own)
-            self._transient.append(AfterEachOp(self._made_transient, around=self._as_intermediate))
+            self._transient.append(AfterEachOp(lambda args, kwargs, out: self._temporaries(out),
+                                               around=lambda args, kwargs: self._as_intermediates(True)))
             self._transient[-1].__enter__()
 
     def _checkpointed_done(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -490,21 +498,6 @@ class MemoryTracking:
                 if isinstance(tensor, torch.Tensor) and self._tagged(tensor) == _MemRefType.TEMP:
                     self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.ACT)
             self._fold([[self.tracker.get_tracker_snapshot()]])
-
-    @contextlib.contextmanager
-    def _as_intermediate(self, args: tuple, kwargs: dict) -> Iterator[None]:
-        """What an op makes tagged as an optimizer step's intermediates, which `_fold` counts as
-        temporaries, while the tracker takes its modules' peaks; `_made_transient` then tags them."""
-        entry, self.tracker._in_opt = self.tracker._in_opt, True
-        try:
-            yield
-        finally:
-            self.tracker._in_opt = entry
-
-    def _made_transient(self, args: tuple, kwargs: dict, out: Any) -> None:
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and self._tagged(tensor) == _MemRefType.OPT:
-                self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
 
     def _gathered_unit(self, module: nn.Module, args: Any) -> None:
         """After FSDP2 gathered a unit: its all-gather's buffers stay temporaries (MemTracker calls
@@ -521,7 +514,7 @@ class MemoryTracking:
             if isinstance(module, FSDPModule):
                 self._stack.callback(module.register_forward_pre_hook(self._gathering, prepend=True).remove)
                 self._stack.callback(module.register_forward_pre_hook(self._gathered_unit).remove)
-        for module in (m for root in (self.model, *self.stages) for m in root.modules()):
+        for module in (m for root in (self.model, *self.stage_modules) for m in root.modules()):
             if hasattr(module, "_checkpoint_wrapped_module"):  # recompute's wrapper
                 self._stack.callback(module.register_forward_pre_hook(self._checkpointed).remove)
                 self._stack.callback(module.register_forward_hook(self._checkpointed_done).remove)
